@@ -1,0 +1,70 @@
+"""What one model step computes: the contract between the model runner and the layers.
+
+New tokens of all sequences are flattened into one dimension: first one token for each
+decoding sequence, then each prefill chunk in turn. Every layer reads the same batch, so
+masks are built once per step (per window size) and reused by all layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class PrefillSegment:
+    q_start: int  # offset of this chunk's first token in the flattened batch
+    q_len: int  # tokens computed in this step
+    kv_len: int  # context length after this step (cached prefix + earlier chunks + q_len)
+    pages: torch.Tensor  # [ceil(kv_len / page_size)] page ids, int64, on the device
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    slot_mapping: torch.Tensor  # [T] page * page_size + offset: where each new token's KV goes
+    page_size: int
+    num_decodes: int
+    decode_pages: torch.Tensor | None  # [B, max_pages], padded with page 0
+    decode_kv_lens: torch.Tensor | None  # [B]
+    prefills: list[PrefillSegment]
+    logits_indices: torch.Tensor  # [num_seqs]: the last new token of each sequence
+    _masks: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.numel()
+
+    def decode_mask(self, window: int | None) -> torch.Tensor | None:
+        """[B, 1, 1, L] boolean mask over gathered decode pages (None when nothing is masked)."""
+        key = ("decode", window)
+        if key not in self._masks:
+            assert self.decode_pages is not None and self.decode_kv_lens is not None
+            L = self.decode_pages.shape[1] * self.page_size
+            j = torch.arange(L, device=self.decode_kv_lens.device)
+            lens = self.decode_kv_lens[:, None]
+            mask = j[None, :] < lens
+            if window is not None:
+                mask &= j[None, :] > lens - 1 - window
+            all_valid = window is None and bool((self.decode_kv_lens == L).all())
+            self._masks[key] = None if all_valid else mask[:, None, None, :]
+        return self._masks[key]
+
+    def prefill_mask(self, i: int, window: int | None) -> torch.Tensor | None:
+        """[q_len, kv_len] boolean causal (and window) mask of segment i; None = plain causal."""
+        key = ("prefill", i, window)
+        if key not in self._masks:
+            seg = self.prefills[i]
+            if seg.kv_len == seg.q_len and window is None:
+                self._masks[key] = None
+            else:
+                dev = seg.pages.device
+                qpos = torch.arange(seg.kv_len - seg.q_len, seg.kv_len, device=dev)[:, None]
+                kpos = torch.arange(seg.kv_len, device=dev)[None, :]
+                mask = kpos <= qpos
+                if window is not None:
+                    mask &= kpos > qpos - window
+                self._masks[key] = mask
+        return self._masks[key]

@@ -1,0 +1,73 @@
+"""The device KV pool: per-layer page buffers and the allocator of page ids.
+
+A page id addresses the same span of ``page_size`` tokens in every layer, so one page table
+per sequence serves the whole model. Layers that share KV (``KVSpec.share_with``) get the
+owner's buffers: one copy per group.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .layout import KVSpec
+
+
+class PageAllocator:
+    """Free list of page ids. Kept apart from the tensors so the planner can use it alone."""
+
+    def __init__(self, num_pages: int) -> None:
+        self.num_pages = num_pages
+        # Page 0 is reserved as padding for batched decode page tables.
+        self._free = list(range(num_pages - 1, 0, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def alloc(self, n: int) -> list[int] | None:
+        if n > len(self._free):
+            return None
+        out = self._free[-n:] if n else []
+        del self._free[len(self._free) - n :]
+        return out[::-1]
+
+    def free(self, pages: list[int]) -> None:
+        self._free.extend(pages)
+
+
+class PagePool:
+    def __init__(self, specs: list[KVSpec], num_pages: int, page_size: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        self.specs = specs
+        self.page_size = page_size
+        self.dtype = dtype
+        self.allocator = PageAllocator(num_pages)
+        self.buffers: list[dict[str, torch.Tensor]] = []
+        for spec in specs:
+            if spec.share_with is not None:
+                self.buffers.append(self.buffers[spec.share_with])
+                continue
+            self.buffers.append({
+                name: torch.zeros(num_pages, page_size, *shape, dtype=dtype, device=device)
+                for name, shape in spec.components
+            })
+
+    @staticmethod
+    def bytes_per_page(specs: list[KVSpec], page_size: int, dtype: torch.dtype) -> int:
+        elem = torch.empty((), dtype=dtype).element_size()
+        return sum(s.elements_per_token() for s in specs if s.owns_cache) * page_size * elem
+
+    def owned_buffers(self) -> list[torch.Tensor]:
+        """Every distinct buffer, in a fixed order (what a page's bytes consist of)."""
+        return [buf for spec, layer in zip(self.specs, self.buffers) if spec.owns_cache
+                for buf in layer.values()]
+
+    def read_pages(self, pages: list[int]) -> list[torch.Tensor]:
+        """Copies of the given pages from every owned buffer: [n, page_size, ...] each."""
+        idx = torch.tensor(pages, device=self.owned_buffers()[0].device)
+        return [buf[idx] for buf in self.owned_buffers()]
+
+    def write_pages(self, pages: list[int], data: list[torch.Tensor]) -> None:
+        idx = torch.tensor(pages, device=self.owned_buffers()[0].device)
+        for buf, d in zip(self.owned_buffers(), data):
+            buf.index_copy_(0, idx, d.to(device=buf.device, dtype=buf.dtype))

@@ -1,0 +1,77 @@
+"""Attention over the paged KV pool, for any mix of decodes and (chunked, prefix-cached) prefills.
+
+Caches are per-layer tensors ``[num_pages, page_size, kv_heads, dim]``. A step first writes
+the new tokens' K/V into their slots, then each query attends over the pages of its own
+sequence: decodes are batched (pages gathered, padded, masked), each prefill chunk runs on
+its own so its causal mask can start mid-sequence. Plain torch ops: runs on CPU and CUDA.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..forward_batch import ForwardBatch
+
+
+def store_kv(cache: torch.Tensor, x: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write new tokens' entries ``x`` [T, heads, dim] into their slots of ``cache``."""
+    cache.view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, x.to(cache.dtype))
+
+
+def gather_pages(cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
+    """Pages [..., P] -> contiguous tokens [..., P * page_size, heads, dim]."""
+    g = cache[pages]
+    return g.reshape(*pages.shape[:-1], -1, *cache.shape[2:])
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+           scale: float, causal: bool = False, softcap: float | None = None,
+           sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """q [B, Hq, Lq, D], k/v [B, Hkv, Lk, D*] -> [B, Hq, Lq, Dv]; GQA by head groups."""
+    if softcap is None and sinks is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                              scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    s = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    if softcap is not None:
+        s = torch.tanh(s / softcap) * softcap
+    if causal:
+        lq, lk = s.shape[-2:]
+        mask = torch.ones(lq, lk, dtype=torch.bool, device=s.device).tril(lk - lq)
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    if sinks is not None:  # a learned per-head logit that absorbs probability mass
+        sink = sinks.float().view(1, -1, 1, 1).expand(*s.shape[:-1], 1)
+        p = torch.softmax(torch.cat((s, sink), dim=-1), dim=-1)[..., :-1]
+    else:
+        p = torch.softmax(s, dim=-1)
+    return torch.matmul(p, v.float()).to(q.dtype)
+
+
+def paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+                    k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch,
+                    scale: float, window: int | None = None, softcap: float | None = None,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """q [T, Hq, D]; k_new/v_new: this step's K/V (already stored). Returns [T, Hq, Dv]."""
+    out = q.new_empty(q.shape[0], q.shape[1], v_cache.shape[-1])
+    nd = batch.num_decodes
+    if nd:
+        k = gather_pages(k_cache, batch.decode_pages).transpose(1, 2)
+        v = gather_pages(v_cache, batch.decode_pages).transpose(1, 2)
+        o = attend(q[:nd].unsqueeze(2), k, v, batch.decode_mask(window), scale,
+                   softcap=softcap, sinks=sinks)
+        out[:nd] = o.squeeze(2)
+    for i, seg in enumerate(batch.prefills):
+        sl = slice(seg.q_start, seg.q_start + seg.q_len)
+        if seg.kv_len == seg.q_len:  # nothing cached before this chunk: use K/V as computed
+            k, v = k_new[sl], v_new[sl]
+        else:
+            k = gather_pages(k_cache, seg.pages)[: seg.kv_len]
+            v = gather_pages(v_cache, seg.pages)[: seg.kv_len]
+        mask = batch.prefill_mask(i, window)
+        o = attend(q[sl].transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                   mask, scale, causal=mask is None, softcap=softcap, sinks=sinks)
+        out[sl] = o[0].transpose(0, 1)
+    return out

@@ -1,0 +1,63 @@
+"""Rotary position embeddings with a precomputed cos/sin table indexed by absolute position.
+
+Positions come from the batch (not from sequence order), which is what lets a prefill chunk
+start in the middle of a sequence whose prefix came from the cache.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+
+def rope_inv_freq(config, head_dim: int, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies (on the CPU) and the attention scaling for the config's RoPE type."""
+    params = config.rope_parameters
+    if layer_type is not None and layer_type in params:
+        params = params[layer_type]
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "default":
+        dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
+        base = params["rope_theta"]
+        exps = torch.arange(0, dim, 2, dtype=torch.float64, device="cpu") / dim
+        return (1.0 / base**exps).float(), 1.0
+    # Scaled variants (llama3, yarn, linear, ...): reuse transformers' reference formulas.
+    kwargs = {"layer_type": layer_type} if layer_type is not None else {}
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"), **kwargs)
+    return inv_freq.float(), scaling
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables are plain attributes, not buffers: computed (never loaded) and kept fp32."""
+
+    def __init__(self, inv_freq: torch.Tensor, max_positions: int, scaling: float = 1.0,
+                 interleaved: bool = False) -> None:
+        super().__init__()
+        self.inv_freq = inv_freq.detach().to("cpu", torch.float64)
+        self.max_positions = max_positions
+        self.scaling = scaling
+        self.rot_dim = 2 * inv_freq.numel()
+        # interleaved: pairs are (x0, x1), (x2, x3)... (GPT-J / DeepSeek); else halves (NeoX / HF).
+        self.interleaved = interleaved
+        self.build(torch.device("cpu"))
+
+    def build(self, device: torch.device) -> None:
+        t = torch.arange(self.max_positions, dtype=torch.float64, device="cpu")
+        freqs = torch.outer(t, self.inv_freq)
+        self.cos = (freqs.cos() * self.scaling).float().to(device)
+        self.sin = (freqs.sin() * self.scaling).float().to(device)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Rotate ``x`` of shape [T, heads, head_dim] (first ``rot_dim`` dims) by position."""
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        rot, rest = x[..., : self.rot_dim].float(), x[..., self.rot_dim :]
+        if self.interleaved:
+            x1, x2 = rot[..., 0::2], rot[..., 1::2]
+            out = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
+        else:
+            x1, x2 = rot.chunk(2, dim=-1)
+            out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        out = out.to(x.dtype)
+        return torch.cat((out, rest), dim=-1) if rest.numel() else out

@@ -1,0 +1,67 @@
+"""Token sampling for a batch of sequences with per-request parameters.
+
+Greedy rows take the argmax of the raw logits. Other rows apply temperature, then top-k,
+top-p and min-p on one sorted copy, and draw with the request's own generator when it has a
+seed, so a seeded request samples the same tokens whatever else shares its batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..sampling_params import SamplingParams
+
+
+@dataclass
+class SampleResult:
+    tokens: list[int]
+    logprobs: list[float] | None  # log-prob of each sampled token (None if nobody asked)
+    top_logprobs: list[list[tuple[int, float]]] | None
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams],
+           generators: list[torch.Generator | None]) -> SampleResult:
+    logits = logits.float()
+    tokens = logits.argmax(dim=-1)
+    random_rows = [i for i, p in enumerate(params) if not p.greedy]
+    if random_rows:
+        rows = torch.tensor(random_rows, device=logits.device)
+        probs = _filtered_probs(logits[rows], [params[i] for i in random_rows])
+        for j, i in enumerate(random_rows):
+            tokens[i] = torch.multinomial(probs[j], 1, generator=generators[i])[0]
+    token_list = tokens.tolist()
+    if all(p.logprobs is None for p in params):
+        return SampleResult(token_list, None, None)
+    logp = torch.log_softmax(logits, dim=-1)
+    chosen = logp.gather(1, tokens[:, None])[:, 0].tolist()
+    top: list[list[tuple[int, float]]] = []
+    for i, p in enumerate(params):
+        k = p.logprobs or 0
+        if k:
+            vals, ids = logp[i].topk(k)
+            top.append(list(zip(ids.tolist(), vals.tolist())))
+        else:
+            top.append([])
+    return SampleResult(token_list, chosen, top)
+
+
+def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    dev = logits.device
+    temp = torch.tensor([p.temperature for p in params], device=dev)[:, None]
+    logits = logits / temp
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    probs = sorted_logits.softmax(dim=-1)
+    V = logits.shape[-1]
+    rank = torch.arange(V, device=dev)[None, :]
+    top_k = torch.tensor([p.top_k if p.top_k > 0 else V for p in params], device=dev)[:, None]
+    top_p = torch.tensor([p.top_p for p in params], device=dev)[:, None]
+    min_p = torch.tensor([p.min_p for p in params], device=dev)[:, None]
+    keep = rank < top_k
+    # top-p: keep the smallest prefix whose mass reaches top_p (the first token always stays)
+    keep &= (probs.cumsum(dim=-1) - probs) < top_p
+    keep &= probs >= min_p * probs[:, :1]
+    probs = probs * keep
+    probs = probs / probs.sum(dim=-1, keepdim=True)
+    return torch.zeros_like(probs).scatter_(1, order, probs)

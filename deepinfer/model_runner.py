@@ -1,0 +1,124 @@
+"""Turns a scheduled batch into tensors, runs the model over the paged pool, samples.
+
+The runner owns the device state (weights and KV pool); everything above it deals in token
+ids and page ids only.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from .config import EngineConfig
+from .forward_batch import ForwardBatch, PrefillSegment
+from .kv.pool import PagePool
+from .layers.rotary import RotaryEmbedding
+from .layers.sampler import SampleResult, sample
+from .models.registry import model_class
+from .request import Request
+
+if TYPE_CHECKING:
+    from .loader import Checkpoint
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, ckpt: Checkpoint, max_model_len: int) -> None:
+        self.config = config
+        self.device = config.torch_device()
+        self.dtype = config.torch_dtype()
+        self.model = self._build_model(ckpt, max_model_len)
+        self.specs = self.model.kv_specs()
+        self.page_size = config.page_size
+        per_page = PagePool.bytes_per_page(self.specs, self.page_size, self.dtype)
+        num_pages = config.num_pages or max(2, int(config.kv_cache_memory_gb * 2**30 // per_page))
+        self.pool = PagePool(self.specs, num_pages, self.page_size, self.dtype, self.device)
+        self._generator = torch.Generator(device=self.device).manual_seed(config.seed)
+
+    def _build_model(self, ckpt: Checkpoint, max_model_len: int):
+        cls = model_class(ckpt.config)
+        with torch.device("meta"):  # no random init: every weight comes from the checkpoint
+            model = cls(ckpt.config, max_model_len)
+        model = model.to_empty(device=self.device)
+        for m in model.modules():  # tables that are computed, not loaded
+            if isinstance(m, RotaryEmbedding):
+                m.build(self.device)
+        model.load_weights((n, t.to(self.dtype)) for n, t in ckpt.weights())
+        return model.to(self.dtype).eval()
+
+    # ------------------------------------------------------------------ batch
+    def prepare(self, items: list[tuple[Request, int]]) -> tuple[ForwardBatch, list[Request]]:
+        """Flatten a step: one-token items form the batched decode group, then prefill chunks."""
+        ps = self.page_size
+        decodes = [(r, n) for r, n in items if n == 1]
+        prefills = [(r, n) for r, n in items if n > 1]
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        sampled: list[Request] = []
+        logit_idx: list[int] = []
+        for r, _ in decodes:
+            pos = r.num_computed_tokens
+            ids.append(r.token_at(pos))
+            positions.append(pos)
+            slots.append(r.pages[pos // ps] * ps + pos % ps)
+        decode_pages = decode_lens = None
+        if decodes:
+            width = max(len(r.pages) for r, _ in decodes)
+            decode_pages = torch.tensor([r.pages + [0] * (width - len(r.pages)) for r, _ in decodes])
+            decode_lens = torch.tensor([r.num_computed_tokens + 1 for r, _ in decodes])
+        segments: list[PrefillSegment] = []
+        for r, n in prefills:
+            start = r.num_computed_tokens
+            ids += r.all_token_ids[start : start + n]
+            pos = torch.arange(start, start + n)
+            page_t = torch.tensor(r.pages[: -(-(start + n) // ps)])
+            positions += pos.tolist()
+            slots += (page_t[pos // ps] * ps + pos % ps).tolist()
+            segments.append(PrefillSegment(q_start=len(ids) - n, q_len=n, kv_len=start + n,
+                                           pages=page_t.to(self.device)))
+        q_end = 0
+        for r, n in decodes + prefills:
+            q_end += n
+            if r.num_computed_tokens + n == r.num_tokens:
+                logit_idx.append(q_end - 1)
+                sampled.append(r)
+        dev = self.device
+        batch = ForwardBatch(
+            input_ids=torch.tensor(ids, device=dev),
+            positions=torch.tensor(positions, device=dev),
+            slot_mapping=torch.tensor(slots, device=dev),
+            page_size=ps,
+            num_decodes=len(decodes),
+            decode_pages=None if decode_pages is None else decode_pages.to(dev),
+            decode_kv_lens=None if decode_lens is None else decode_lens.to(dev),
+            prefills=segments,
+            logits_indices=torch.tensor(logit_idx, device=dev, dtype=torch.long),
+        )
+        return batch, sampled
+
+    @torch.inference_mode()
+    def execute(self, items: list[tuple[Request, int]]) -> tuple[list[Request], SampleResult | None]:
+        """Run one step; returns the requests that produced a token and the samples."""
+        batch, sampled = self.prepare(items)
+        hidden = self.model(batch, self.pool.buffers)
+        if not sampled:
+            return sampled, None
+        logits = self.model.compute_logits(hidden[batch.logits_indices])
+        gens = [self._request_generator(r) for r in sampled]
+        return sampled, sample(logits, [r.params for r in sampled], gens)
+
+    @torch.inference_mode()
+    def prompt_logits(self, items: list[tuple[Request, int]]) -> torch.Tensor:
+        """Logits of every new token of a one-request batch (for tests and scoring)."""
+        batch, _ = self.prepare(items)
+        return self.model.compute_logits(self.model(batch, self.pool.buffers)).float()
+
+    def _request_generator(self, r: Request) -> torch.Generator | None:
+        if r.params.greedy:
+            return None
+        if r.params.seed is None:
+            return self._generator
+        if r.generator is None:
+            r.generator = torch.Generator(device=self.device).manual_seed(r.params.seed)
+        return r.generator

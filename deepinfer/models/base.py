@@ -1,0 +1,72 @@
+"""What every model offers the runner, and weight loading shared by all families."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from ..forward_batch import ForwardBatch
+from ..kv.layout import KVSpec
+from ..layers.linear import FusedLinear
+
+
+class CausalLM(nn.Module):
+    """Base for our model classes.
+
+    ``fused_shards`` maps a checkpoint name fragment to (our fused module fragment, shard index),
+    e.g. ``{"q_proj": ("qkv_proj", 0)}``; every other checkpoint tensor is copied by name.
+    """
+
+    fused_shards: dict[str, tuple[str, int]] = {}
+    ignored_weights: tuple[str, ...] = (r"rotary_emb\.inv_freq",)
+
+    def kv_specs(self) -> list[KVSpec]:
+        raise NotImplementedError
+
+    def forward(self, batch: ForwardBatch, kv: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+        """Hidden states [T, hidden] of the batch's new tokens; writes their KV into ``kv``."""
+        raise NotImplementedError
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.named_parameters())
+        modules = dict(self.named_modules())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if any(re.search(p, name) for p in self.ignored_weights):
+                continue
+            target = self.map_weight_name(name)
+            if target is None:
+                continue
+            for frag, (fused, shard) in self.fused_shards.items():
+                if f".{frag}." in target:
+                    mod_name, _, pname = target.replace(f".{frag}.", f".{fused}.").rpartition(".")
+                    module = modules[mod_name]
+                    assert isinstance(module, FusedLinear)
+                    module.load_shard(shard, pname, tensor)
+                    loaded.add(f"{mod_name}.{pname}")
+                    break
+            else:
+                if target not in params:
+                    raise ValueError(f"checkpoint tensor {name!r} has no place in {type(self).__name__}")
+                p = params[target]
+                if p.shape != tensor.shape:
+                    raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(p.shape)}")
+                p.data.copy_(tensor)
+                loaded.add(target)
+        self.tie_weights_if_needed(loaded)
+        missing = set(params) - loaded
+        if missing:
+            raise ValueError(f"weights missing from checkpoint: {sorted(missing)[:8]}")
+
+    def map_weight_name(self, name: str) -> str | None:
+        """Checkpoint name -> our parameter name (None to skip)."""
+        return name
+
+    def tie_weights_if_needed(self, loaded: set[str]) -> None:
+        pass

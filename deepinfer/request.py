@@ -1,0 +1,66 @@
+"""One sequence's state as it moves waiting -> running -> finished."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .kv.radix import Node
+from .sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    cache_salt: str | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None
+    # KV state
+    pages: list[int] = field(default_factory=list)  # L1 page table
+    num_computed_tokens: int = 0  # tokens whose KV is in ``pages``
+    page_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full pages
+    num_tree_pages: int = 0  # leading pages of ``pages`` owned by the radix tree
+    locked_node: Node | None = None
+    # accounting (set when first scheduled; a preempted request keeps its first numbers)
+    num_cached_tokens: int | None = None
+    cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
+    num_recomputed_tokens: int = 0  # tokens recomputed after preemption
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    generator: torch.Generator | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_at(self, pos: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[pos] if pos < n else self.output_token_ids[pos - n]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED
