@@ -1,0 +1,351 @@
+"""KV page codecs: turn one page of KV (a tensor) into bytes for the L2/L3 tiers and back.
+
+The caller flattens a page (dict of component tensors) into one tensor ``x`` whose last dim is a
+multiple of the codec's block size; scales are per block of contiguous elements along that dim.
+
+Codecs and their byte layout (little-endian, concatenated in this order):
+
+* ``lossless``: the raw element bytes of ``x`` in its own dtype.
+* ``fp8``: one FP8 e4m3 code per element, then one **float32** scale per block (default 32).
+  Scale = block amax / 448. float32 rather than float16 because KV may be bfloat16: a bf16 block
+  amax above ~2.9e7 would overflow an fp16 scale and tiny amaxes would underflow it; float32 costs
+  2 extra bytes per 32 elements (1.125 instead of 1.0625 B/elem) and adds no error of its own.
+* ``fp4`` (NVFP4-like): one float32 page scale ``g = page_amax / (448 * 6)``, then the packed
+  e2m1 codes (two per byte, even element in the low nibble), then one **FP8 e4m3** scale per block
+  of 16. A block's value is ``code * e4m3_scale * g``. The two-level scale (as in NVFP4) gives a
+  1-byte block scale the dynamic range of float32: 0.5625 B/elem + 4 bytes per page, against
+  0.625 B/elem for an fp16 block scale that could still overflow on bf16 data.
+  Block scales below e4m3's normal range (blocks ~3e4 times smaller than the page's largest)
+  lose precision; their error stays below ~1e-5 of the page amax.
+* ``mxfp4`` (OCP MX-like): packed e2m1 codes, then one E8M0 byte per block of 32
+  (scale ``2**(byte - 127)``). The exponent is ``ceil(log2(amax / 6))`` so the block amax never
+  clips (OCP's ``floor(log2(amax)) - 2`` can clip values up to 25%); see ``encode``.
+
+Quantisation is round-to-nearest-even in pure torch ops, so it runs on whatever device ``x`` is on.
+Non-finite inputs are rejected (a NaN/Inf page is an upstream bug we must not persist).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import numpy as np
+import torch
+
+__all__ = ["Codec", "LosslessCodec", "FP8Codec", "FP4Codec", "MXFP4Codec", "get_codec", "CODEC_NAMES"]
+
+Shape = Sequence[int] | torch.Size
+Buffer = bytes | bytearray | memoryview
+
+E4M3_MAX = 448.0
+E2M1_MAX = 6.0
+_HAS_NATIVE_FP8 = hasattr(torch, "float8_e4m3fn")
+
+
+# ----------------------------------------------------------------------------- minifloat helpers
+
+
+def _minifloat_grid(exp_bits: int, man_bits: int, bias: int, n_codes: int) -> torch.Tensor:
+    """Non-negative values of a minifloat, indexed by magnitude code (codes are monotonic)."""
+    vals = []
+    for code in range(n_codes):
+        e, m = code >> man_bits, code & ((1 << man_bits) - 1)
+        if e == 0:  # subnormal
+            vals.append(m / (1 << man_bits) * 2.0 ** (1 - bias))
+        else:
+            vals.append((1 + m / (1 << man_bits)) * 2.0 ** (e - bias))
+    return torch.tensor(vals, dtype=torch.float32)
+
+
+class _Minifloat:
+    """Round-to-nearest-even onto a small float grid by table lookup (works for any format)."""
+
+    def __init__(self, exp_bits: int, man_bits: int, bias: int, n_codes: int) -> None:
+        self.sign_bit = 1 << (exp_bits + man_bits)
+        self._grid = _minifloat_grid(exp_bits, man_bits, bias, n_codes)
+        self._mids = (self._grid[1:] + self._grid[:-1]) / 2  # exact: grid values have few bits
+        self.max = float(self._grid[-1])
+        self._dev_cache: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(midpoints, signed value per code) on ``device``, built once per device."""
+        if device not in self._dev_cache:
+            full = torch.zeros(2 * self.sign_bit, dtype=torch.float32)
+            full[: len(self._grid)] = self._grid
+            full[self.sign_bit : self.sign_bit + len(self._grid)] = -self._grid
+            self._dev_cache[device] = (self._mids.to(device), full.to(device))
+        return self._dev_cache[device]
+
+    def encode(self, xs: torch.Tensor) -> torch.Tensor:
+        """float32 values (already scaled) -> uint8 codes; saturates at +-max."""
+        mids, _ = self._tables(xs.device)
+        a = xs.abs().clamp_(max=self.max)
+        idx = torch.bucketize(a, mids)  # a == mids[i] lands on i (rounds down) ...
+        tie = a == mids[idx.clamp(max=len(mids) - 1)]
+        idx = idx + (tie & (idx % 2 == 1)).to(idx.dtype)  # ... so move odd ties up to the even code
+        return (idx + torch.signbit(xs).to(idx.dtype) * self.sign_bit).to(torch.uint8)
+
+    def decode(self, codes: torch.Tensor) -> torch.Tensor:
+        """uint8 codes -> float32 values."""
+        _, full = self._tables(codes.device)
+        return full[codes.long()]
+
+
+_E4M3 = _Minifloat(exp_bits=4, man_bits=3, bias=7, n_codes=127)  # code 0x7F is NaN in e4m3fn
+_E2M1 = _Minifloat(exp_bits=2, man_bits=1, bias=1, n_codes=8)
+
+
+def _e4m3_encode(xs: torch.Tensor, native: bool) -> torch.Tensor:
+    if native:
+        return xs.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+    return _E4M3.encode(xs)
+
+
+def _e4m3_decode(codes: torch.Tensor, native: bool) -> torch.Tensor:
+    if native:
+        return codes.view(torch.float8_e4m3fn).float()
+    return _E4M3.decode(codes)
+
+
+def _e8m0_to_float(e8m0: torch.Tensor) -> torch.Tensor:
+    """E8M0 bytes (as int32) -> 2**(byte - 127) as float32, built from the bit pattern (exact)."""
+    normal = (e8m0 << 23).view(torch.float32)
+    return torch.where(e8m0 == 0, torch.full_like(normal, 2.0**-127), normal)
+
+
+def _pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    c = codes.reshape(-1, 2)
+    return c[:, 0] | (c[:, 1] << 4)
+
+
+def _unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    return torch.stack([packed & 0x0F, packed >> 4], dim=-1).reshape(-1)
+
+
+def _finish(vals: torch.Tensor, shape: Shape, dtype: torch.dtype) -> torch.Tensor:
+    """float32 dequantised values -> output. Clamped to dtype's finite range: rounding a value
+    near the top of the range up to the next grid point (or a rounded-up scale) must not give inf."""
+    fmax = torch.finfo(dtype).max
+    return vals.clamp_(-fmax, fmax).to(dtype).reshape(tuple(shape))
+
+
+def _as_bytes(t: torch.Tensor) -> bytes:
+    return t.detach().contiguous().cpu().numpy().tobytes()
+
+
+def _byte_view(t: torch.Tensor) -> torch.Tensor:
+    """Any contiguous tensor as a flat uint8 tensor (no copy)."""
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+# ----------------------------------------------------------------------------- codecs
+
+
+class Codec:
+    """Encode a tensor into a fixed-size byte string; ``encoded_nbytes`` is exact per shape."""
+
+    name: str = ""
+    block_size: int = 1
+
+    @property
+    def tag(self) -> str:
+        """Identity for cache namespaces: two codecs with equal tags produce interchangeable bytes."""
+        return self.name if self.block_size == 1 else f"{self.name}-b{self.block_size}"
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.tag!r})"
+
+    # -- subclass hooks
+    def encode_to_tensor(self, x: torch.Tensor) -> torch.Tensor:
+        """Encode on x's device into a flat uint8 tensor (lets callers copy into pinned host slots)."""
+        raise NotImplementedError
+
+    def decode_from_tensor(self, buf: torch.Tensor, shape: Shape, dtype: torch.dtype) -> torch.Tensor:
+        """Inverse of ``encode_to_tensor``; computes on buf's device. Lossless returns a view of
+        ``buf`` (zero copy): copy it out before ``buf``'s memory (e.g. a host slot) is reused."""
+        raise NotImplementedError
+
+    def encoded_nbytes(self, shape: Shape, dtype: torch.dtype) -> int:
+        raise NotImplementedError
+
+    # -- bytes API
+    def encode(self, x: torch.Tensor) -> bytes:
+        return _as_bytes(self.encode_to_tensor(x))
+
+    def decode(
+        self, data: Buffer, shape: Shape, dtype: torch.dtype, device: torch.device | str = "cpu"
+    ) -> torch.Tensor:
+        """Bytes -> tensor of ``shape``/``dtype`` on ``device`` (one host->device copy)."""
+        arr = np.frombuffer(data, dtype=np.uint8)
+        buf = torch.from_numpy(arr.copy()).to(device)
+        return self.decode_from_tensor(buf, shape, dtype)
+
+    # -- shared checks
+    def _check_input(self, x: torch.Tensor) -> None:
+        if x.dim() == 0 or x.shape[-1] % self.block_size != 0:
+            raise ValueError(
+                f"{self.name}: last dim of shape {tuple(x.shape)} must be a multiple of {self.block_size}"
+            )
+        if not x.is_floating_point():
+            raise ValueError(f"{self.name}: expected a floating point tensor, got {x.dtype}")
+
+    def _check_buf(self, buf: torch.Tensor, shape: Shape, dtype: torch.dtype) -> int:
+        numel = math.prod(shape)
+        want = self.encoded_nbytes(shape, dtype)
+        if buf.dtype != torch.uint8 or buf.numel() != want:
+            raise ValueError(f"{self.name}: expected {want} bytes for {tuple(shape)}, got {buf.numel()}")
+        return numel
+
+    def _nblocks(self, shape: Shape) -> int:
+        if len(shape) == 0 or shape[-1] % self.block_size != 0:
+            raise ValueError(f"{self.name}: last dim of {tuple(shape)} must be a multiple of {self.block_size}")
+        return math.prod(shape) // self.block_size
+
+
+def _block_amax(blocks: torch.Tensor) -> torch.Tensor:
+    amax = blocks.abs().amax(dim=1)
+    if not bool(torch.isfinite(amax).all()):  # one sync; encode copies to the host anyway
+        raise ValueError("cannot encode a KV page with NaN or Inf values")
+    return amax
+
+
+class LosslessCodec(Codec):
+    """Raw bytes in the tensor's own dtype: exact, no compute."""
+
+    name = "lossless"
+
+    def encode_to_tensor(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 0:
+            raise ValueError("lossless: expected at least one dim")
+        return _byte_view(x)
+
+    def decode_from_tensor(self, buf: torch.Tensor, shape: Shape, dtype: torch.dtype) -> torch.Tensor:
+        want = self.encoded_nbytes(shape, dtype)
+        if buf.dtype != torch.uint8 or buf.numel() != want:
+            raise ValueError(f"lossless: expected {want} bytes for {tuple(shape)}, got {buf.numel()}")
+        return buf.contiguous().view(dtype).reshape(tuple(shape))
+
+    def encoded_nbytes(self, shape: Shape, dtype: torch.dtype) -> int:
+        return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+
+
+class FP8Codec(Codec):
+    """FP8 e4m3 codes + one float32 scale (amax/448) per block."""
+
+    name = "fp8"
+
+    def __init__(self, block_size: int = 32, native: bool | None = None) -> None:
+        self.block_size = block_size
+        self.native = _HAS_NATIVE_FP8 if native is None else native
+
+    def encoded_nbytes(self, shape: Shape, dtype: torch.dtype) -> int:
+        nb = self._nblocks(shape)
+        return nb * self.block_size + nb * 4
+
+    def encode_to_tensor(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_input(x)
+        blocks = x.detach().reshape(-1, self.block_size).float()
+        scale = _block_amax(blocks) / E4M3_MAX
+        xs = blocks / torch.where(scale > 0, scale, torch.ones_like(scale))[:, None]
+        codes = _e4m3_encode(xs, self.native)
+        return torch.cat([codes.reshape(-1), _byte_view(scale)])
+
+    def decode_from_tensor(self, buf: torch.Tensor, shape: Shape, dtype: torch.dtype) -> torch.Tensor:
+        numel = self._check_buf(buf, shape, dtype)
+        codes = buf[:numel].reshape(-1, self.block_size)
+        scale = buf[numel:].clone().view(torch.float32)
+        vals = _e4m3_decode(codes, self.native) * scale[:, None]
+        return _finish(vals, shape, dtype)
+
+
+class FP4Codec(Codec):
+    """NVFP4-like: e2m1 codes, e4m3 scale per block of 16, float32 scale per page."""
+
+    name = "fp4"
+
+    def __init__(self, block_size: int = 16, native: bool | None = None) -> None:
+        if block_size % 2:
+            raise ValueError("fp4 block size must be even (two codes per byte)")
+        self.block_size = block_size
+        self.native = _HAS_NATIVE_FP8 if native is None else native
+
+    def encoded_nbytes(self, shape: Shape, dtype: torch.dtype) -> int:
+        nb = self._nblocks(shape)
+        return 4 + nb * self.block_size // 2 + nb
+
+    def encode_to_tensor(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_input(x)
+        blocks = x.detach().reshape(-1, self.block_size).float()
+        amax = _block_amax(blocks)
+        g = amax.max() / (E4M3_MAX * E2M1_MAX)
+        g_safe = torch.where(g > 0, g, torch.ones_like(g))
+        sb_codes = _e4m3_encode(amax / (E2M1_MAX * g_safe), self.native)
+        s_used = _e4m3_decode(sb_codes, self.native) * g_safe
+        xs = blocks / torch.where(s_used > 0, s_used, torch.ones_like(s_used))[:, None]
+        packed = _pack_nibbles(_E2M1.encode(xs))
+        return torch.cat([_byte_view(g.reshape(1)), packed, sb_codes])
+
+    def decode_from_tensor(self, buf: torch.Tensor, shape: Shape, dtype: torch.dtype) -> torch.Tensor:
+        numel = self._check_buf(buf, shape, dtype)
+        g = buf[:4].clone().view(torch.float32)
+        packed = buf[4 : 4 + numel // 2]
+        sb = _e4m3_decode(buf[4 + numel // 2 :], self.native) * g
+        vals = _E2M1.decode(_unpack_nibbles(packed)).reshape(-1, self.block_size) * sb[:, None]
+        return _finish(vals, shape, dtype)
+
+
+class MXFP4Codec(Codec):
+    """MXFP4-like: e2m1 codes, power-of-two E8M0 scale per block of 32.
+
+    Scale exponent = ceil(log2(amax / 6)), so |x| / scale <= 6 and nothing clips; the largest
+    element lands in (3, 6]. Worst-case error is amax/4 either way, but not clipping keeps the
+    error of the block's largest (most attention-relevant) values at most one e2m1 half-step.
+    """
+
+    name = "mxfp4"
+
+    def __init__(self, block_size: int = 32) -> None:
+        if block_size % 2:
+            raise ValueError("mxfp4 block size must be even (two codes per byte)")
+        self.block_size = block_size
+
+    def encoded_nbytes(self, shape: Shape, dtype: torch.dtype) -> int:
+        nb = self._nblocks(shape)
+        return nb * self.block_size // 2 + nb
+
+    def encode_to_tensor(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_input(x)
+        blocks = x.detach().reshape(-1, self.block_size).float()
+        target = _block_amax(blocks) / E2M1_MAX
+        mant, ex = torch.frexp(target)  # target = mant * 2**ex, mant in [0.5, 1)
+        exp = torch.where(mant == 0.5, ex - 1, ex)  # ceil(log2(target)); exact, no log2 rounding
+        # 2**-126 floor keeps scales normal float32 (exact bit construction, no subnormal pow).
+        e8m0 = (exp.clamp(-126, 127) + 127).to(torch.int32)
+        codes = _E2M1.encode(blocks / _e8m0_to_float(e8m0)[:, None])
+        return torch.cat([_pack_nibbles(codes), e8m0.to(torch.uint8)])
+
+    def decode_from_tensor(self, buf: torch.Tensor, shape: Shape, dtype: torch.dtype) -> torch.Tensor:
+        numel = self._check_buf(buf, shape, dtype)
+        packed, e8m0 = buf[: numel // 2], buf[numel // 2 :]
+        scale = _e8m0_to_float(e8m0.to(torch.int32))
+        vals = _E2M1.decode(_unpack_nibbles(packed)).reshape(-1, self.block_size) * scale[:, None]
+        return _finish(vals, shape, dtype)
+
+
+_FACTORIES = {
+    "lossless": lambda bs: LosslessCodec(),
+    "fp8": lambda bs: FP8Codec(bs or 32),
+    "fp4": lambda bs: FP4Codec(bs or 16),
+    "mxfp4": lambda bs: MXFP4Codec(bs or 32),
+}
+CODEC_NAMES: tuple[str, ...] = tuple(_FACTORIES)
+
+
+def get_codec(name: str, block_size: int | None = None) -> Codec:
+    """Codec by name; ``block_size`` overrides the default (ignored by lossless)."""
+    if name not in _FACTORIES:
+        raise ValueError(f"unknown KV codec {name!r}; valid names: {', '.join(CODEC_NAMES)}")
+    if block_size is not None and block_size <= 0:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    return _FACTORIES[name](block_size)

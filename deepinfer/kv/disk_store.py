@@ -1,0 +1,521 @@
+"""L3 disk tier: one file per KV page in a directory that several processes may share.
+
+Layout: ``<dir>/<key[:2]>/<key>.kv`` (fan-out keeps directories small). A file is::
+
+    b"DIKV" | version: u16 | header_len: u32 | header JSON (header_len bytes) | payload
+
+The JSON header holds ``namespace`` (model + layout + codec + page size), ``key``, ``token_count``,
+``payload_len`` and ``checksum``: blake2b-128 of the payload. blake2b because it is in hashlib, fast
+in software on every CPU (no reliance on SHA extensions), 128 bits is far beyond what accidental
+corruption needs, and it is the hash the engine already uses for page keys.
+
+Safety rules, because this is a cache and the engine must keep serving:
+
+* writes go to ``.<key>.<pid>.<tid>.tmp`` in the final directory, are fsynced, then ``os.replace``d:
+  readers only ever open ``<key>.kv``, so a crashed writer (kill -9) leaves at most a temp file,
+  which is ignored and removed at the next open once older than ``tmp_max_age_s``;
+* every failure is a miss or a ``False``, never an exception: OSError on write counts
+  ``write_errors``; a bad file counts ``checksum_failures`` / ``corrupt_files`` and goes to
+  ``<dir>/quarantine/``; a file from another namespace or format version is a miss left in place;
+* the capacity bound is kept with an in-memory LRU index built by one scan at open and updated on
+  put/get/evict. Files other processes add are found on an index miss (one ``stat``), and evicting a
+  file someone else already removed is fine. Each process enforces the bound over the files it
+  knows about, so several writers can briefly overshoot it by what the others added.
+
+``AsyncDiskWriter`` moves writes off the decode loop: a bounded queue drained by one thread.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import logging
+import os
+import queue
+import re
+import struct
+import threading
+import time
+from collections import OrderedDict
+from typing import Callable
+
+__all__ = ["DiskStore", "AsyncDiskWriter", "FORMAT_VERSION", "MAGIC"]
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"DIKV"
+FORMAT_VERSION = 1
+_PREFIX = struct.Struct("<4sHI")  # magic, version, header_len
+_MAX_HEADER = 64 * 1024
+_KEY_RE = re.compile(r"[0-9a-f]{2,256}")
+_FANOUT_RE = re.compile(r"[0-9a-f]{2}")
+_QUARANTINE = "quarantine"
+
+
+def _checksum(payload: bytes | memoryview) -> str:
+    return hashlib.blake2b(payload, digest_size=16).hexdigest()
+
+
+class _Bad(Exception):
+    """A file that cannot be used. kind: 'corrupt' | 'checksum' | 'foreign' | 'missing'."""
+
+    def __init__(self, kind: str, why: str) -> None:
+        super().__init__(why)
+        self.kind = kind
+
+
+class DiskStore:
+    """Content-addressed page files with checksums, atomic writes and an LRU byte budget."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        capacity_bytes: int,
+        namespace: str,
+        *,
+        tmp_max_age_s: float = 600.0,
+        max_quarantine: int = 256,
+        touch_on_hit: bool = True,
+    ) -> None:
+        self.path = os.fspath(path)
+        self.capacity_bytes = int(capacity_bytes)
+        self.namespace = namespace
+        self.tmp_max_age_s = tmp_max_age_s
+        self.max_quarantine = max_quarantine
+        self.touch_on_hit = touch_on_hit  # mtime = recency, so the LRU order survives a restart
+        self._lock = threading.Lock()
+        self._index: OrderedDict[str, int] = OrderedDict()  # key -> file size, oldest first
+        self._bytes = 0
+        self._closed = False
+        self._counters = dict.fromkeys(
+            ["hits", "misses", "bytes_read", "bytes_written", "writes", "checksum_failures",
+             "corrupt_files", "foreign_files", "write_errors", "evictions", "rejected", "quarantined"],
+            0,
+        )  # fmt: skip
+        try:
+            os.makedirs(self.path, exist_ok=True)
+            self._scan()
+        except OSError as e:  # degraded: every put fails, every get misses; the engine still serves
+            log.warning("disk KV store at %s unavailable: %s", self.path, e)
+
+    # ------------------------------------------------------------------ paths and scan
+
+    def _file(self, key: str) -> str:
+        return os.path.join(self.path, key[:2], key + ".kv")
+
+    @staticmethod
+    def _check_key(key: str) -> None:
+        if not isinstance(key, str) or not _KEY_RE.fullmatch(key):
+            raise ValueError(f"disk store keys are 2-256 lowercase hex chars, got {key!r}")
+
+    def _fanout_dirs(self) -> list[os.DirEntry[str]]:
+        with os.scandir(self.path) as it:
+            return [d for d in it if _FANOUT_RE.fullmatch(d.name) and d.is_dir(follow_symlinks=False)]
+
+    def _scan(self) -> None:
+        """Build the index once (oldest mtime first) and remove stale temp files."""
+        now = time.time()
+        found: list[tuple[float, str, int]] = []
+        for d in self._fanout_dirs():
+            try:
+                entries = list(os.scandir(d.path))
+            except OSError:
+                continue  # removed under us
+            for f in entries:
+                try:
+                    st = f.stat(follow_symlinks=False)
+                except OSError:
+                    continue
+                if f.name.endswith(".kv") and _KEY_RE.fullmatch(f.name[:-3]):
+                    found.append((st.st_mtime, f.name[:-3], st.st_size))
+                elif f.name.endswith(".tmp") and now - st.st_mtime > self.tmp_max_age_s:
+                    _unlink_quiet(f.path)
+        found.sort()
+        with self._lock:
+            self._index = OrderedDict((k, size) for _, k, size in found)
+            self._bytes = sum(self._index.values())
+            self._evict_locked(0)
+
+    def rescan(self) -> None:
+        """Re-read the directory (e.g. after other processes wrote a lot). Not for the hot path."""
+        try:
+            self._scan()
+        except OSError as e:
+            log.warning("disk KV store: rescan of %s failed: %s", self.path, e)
+
+    # ------------------------------------------------------------------ index helpers (hold lock)
+
+    def _add_locked(self, key: str, size: int) -> None:
+        if key in self._index:
+            self._index.move_to_end(key)
+            return
+        self._index[key] = size
+        self._bytes += size
+
+    def _drop_locked(self, key: str) -> None:
+        size = self._index.pop(key, None)
+        if size is not None:
+            self._bytes -= size
+
+    def _evict_locked(self, incoming: int) -> None:
+        while self._index and self._bytes + incoming > self.capacity_bytes:
+            key, size = self._index.popitem(last=False)
+            self._bytes -= size
+            self._counters["evictions"] += 1
+            _unlink_quiet(self._file(key))  # already gone (another process evicted it) is fine
+
+    # ------------------------------------------------------------------ file format
+
+    def _head(self, key: str, payload: bytes, token_count: int) -> bytes:
+        """Everything before the payload (written separately: no copy of a large page)."""
+        header = json.dumps(
+            {"namespace": self.namespace, "key": key, "token_count": int(token_count),
+             "payload_len": len(payload), "checksum": _checksum(payload)},
+            separators=(",", ":"),
+        ).encode()  # fmt: skip
+        return _PREFIX.pack(MAGIC, FORMAT_VERSION, len(header)) + header
+
+    def _parse_header(self, key: str, data: bytes) -> tuple[dict, int]:
+        """-> (header, payload offset). Raises _Bad. Works on a prefix of the file too."""
+        if len(data) < _PREFIX.size:
+            raise _Bad("corrupt", "empty or truncated prefix")
+        magic, version, hlen = _PREFIX.unpack_from(data)
+        if magic != MAGIC:
+            raise _Bad("corrupt", "bad magic")
+        if version != FORMAT_VERSION:
+            raise _Bad("foreign", f"format version {version}")
+        if hlen > _MAX_HEADER or _PREFIX.size + hlen > len(data):
+            raise _Bad("corrupt", "truncated header")
+        try:
+            header = json.loads(data[_PREFIX.size : _PREFIX.size + hlen])
+            if not isinstance(header, dict):
+                raise ValueError("header is not an object")
+        except ValueError as e:
+            raise _Bad("corrupt", f"bad header: {e}") from None
+        if header.get("namespace") != self.namespace:
+            raise _Bad("foreign", f"namespace {header.get('namespace')!r}")
+        if header.get("key") != key:
+            raise _Bad("corrupt", "key mismatch")
+        if not isinstance(header.get("payload_len"), int) or not isinstance(header.get("checksum"), str):
+            raise _Bad("corrupt", "bad header fields")
+        return header, _PREFIX.size + hlen
+
+    def _parse(self, key: str, data: bytes) -> tuple[dict, memoryview]:
+        header, off = self._parse_header(key, data)
+        payload = memoryview(data)[off:]
+        if header.get("payload_len") != len(payload):
+            raise _Bad("corrupt", "payload length mismatch (truncated?)")
+        if header.get("checksum") != _checksum(payload):
+            raise _Bad("checksum", "checksum mismatch")
+        return header, payload
+
+    def _read_checked(self, key: str) -> tuple[dict, memoryview, int]:
+        try:
+            with open(self._file(key), "rb") as f:
+                data = f.read()
+        except OSError as e:
+            if e.errno in (errno.ENOENT, errno.ENOTDIR):
+                raise _Bad("missing", "no file") from None
+            raise _Bad("corrupt", f"unreadable: {e}") from None
+        header, payload = self._parse(key, data)
+        return header, payload, len(data)
+
+    def _reject(self, key: str, bad: _Bad) -> None:
+        """Count a bad file; quarantine it unless it is merely foreign (valid for someone else)."""
+        with self._lock:
+            if bad.kind == "checksum":
+                self._counters["checksum_failures"] += 1
+            elif bad.kind == "corrupt":
+                self._counters["corrupt_files"] += 1
+            elif bad.kind == "foreign":
+                self._counters["foreign_files"] += 1
+                return
+            self._drop_locked(key)
+        if bad.kind != "missing":
+            log.warning("disk KV store: quarantining %s (%s)", key, bad)
+            self._quarantine(key)
+
+    def _quarantine(self, key: str) -> None:
+        src = self._file(key)
+        qdir = os.path.join(self.path, _QUARANTINE)
+        try:
+            os.makedirs(qdir, exist_ok=True)
+            if len(os.listdir(qdir)) < self.max_quarantine:  # rare path, a listdir is fine
+                os.replace(src, os.path.join(qdir, f"{key}.{os.getpid()}.{time.time_ns()}.bad"))
+                with self._lock:
+                    self._counters["quarantined"] += 1
+                return
+        except OSError:
+            pass
+        _unlink_quiet(src)
+
+    # ------------------------------------------------------------------ public API
+
+    def put(self, key: str, payload: bytes, token_count: int) -> bool:
+        """Store a page atomically. True if stored (or already present); False on any OSError."""
+        self._check_open()
+        self._check_key(key)
+        if os.path.exists(self._file(key)):
+            with self._lock:
+                if key in self._index:
+                    self._index.move_to_end(key)
+                    return True
+            if self._adopt_existing(key):
+                return True
+        else:
+            with self._lock:
+                self._drop_locked(key)  # stale: another process evicted it
+        payload = bytes(payload)
+        head = self._head(key, payload, token_count)
+        size = len(head) + len(payload)
+        if size > self.capacity_bytes:
+            with self._lock:
+                self._counters["rejected"] += 1
+            return False
+        with self._lock:
+            self._evict_locked(size)
+        final = self._file(key)
+        tmp = os.path.join(os.path.dirname(final), f".{key}.{os.getpid()}.{threading.get_ident()}.tmp")
+        try:
+            os.makedirs(os.path.dirname(final), exist_ok=True)
+            with open(tmp, "wb") as f:
+                f.write(head)
+                f.write(payload)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, final)
+        except OSError as e:
+            _unlink_quiet(tmp)
+            with self._lock:
+                self._counters["write_errors"] += 1
+            if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+                log.warning("disk KV store: write of %s failed: %s", key, e)
+            return False
+        with self._lock:
+            self._add_locked(key, size)
+            self._counters["writes"] += 1
+            self._counters["bytes_written"] += size
+        return True
+
+    def _adopt_existing(self, key: str) -> bool:
+        """Key not indexed but maybe written by another process: keep it if its header is ours."""
+        try:
+            with open(self._file(key), "rb") as f:
+                head = f.read(_PREFIX.size + 1024)
+                size = os.fstat(f.fileno()).st_size
+            header, off = self._parse_header(key, head)
+            if off + header.get("payload_len", -1) != size:
+                return False
+        except (OSError, _Bad):
+            return False  # absent, foreign or broken: (over)write it
+        with self._lock:
+            self._add_locked(key, size)
+        return True
+
+    def get(self, key: str) -> bytes | None:
+        """Payload bytes if present and intact, else None (bad files are counted and quarantined)."""
+        self._check_open()
+        self._check_key(key)
+        try:
+            _, payload, size = self._read_checked(key)
+        except _Bad as bad:
+            with self._lock:
+                self._counters["misses"] += 1
+            self._reject(key, bad)
+            return None
+        with self._lock:
+            self._add_locked(key, size)  # also adopts files written by other processes
+            self._counters["hits"] += 1
+            self._counters["bytes_read"] += len(payload)
+        if self.touch_on_hit:
+            try:
+                os.utime(self._file(key))
+            except OSError:
+                pass
+        return bytes(payload)
+
+    def contains(self, key: str) -> bool:
+        """Cheap presence check: one stat, no read. A True can still turn into a get() miss."""
+        self._check_open()
+        self._check_key(key)
+        try:
+            size = os.stat(self._file(key)).st_size
+        except OSError:
+            with self._lock:
+                self._drop_locked(key)  # evicted by another process
+            return False
+        with self._lock:
+            if key not in self._index:
+                self._add_locked(key, size)
+        return True
+
+    def verify(self) -> dict[str, int]:
+        """Full check of every file (for ``deepinfer cache verify``); bad files are quarantined."""
+        self._check_open()
+        report = {"checked": 0, "ok": 0, "corrupt": 0, "checksum_failures": 0, "foreign": 0, "bytes": 0}
+        try:
+            dirs = self._fanout_dirs()
+        except OSError:
+            return report
+        for d in dirs:
+            try:
+                names = os.listdir(d.path)
+            except OSError:
+                continue
+            for name in names:
+                key = name[:-3]
+                if not name.endswith(".kv") or not _KEY_RE.fullmatch(key):
+                    continue
+                try:
+                    _, _, size = self._read_checked(key)
+                except _Bad as bad:
+                    if bad.kind == "missing":
+                        continue
+                    report["checked"] += 1
+                    report[{"checksum": "checksum_failures", "corrupt": "corrupt"}.get(bad.kind, "foreign")] += 1
+                    self._reject(key, bad)
+                    continue
+                report["checked"] += 1
+                report["ok"] += 1
+                report["bytes"] += size
+                with self._lock:
+                    if key not in self._index:
+                        self._add_locked(key, size)
+        return report
+
+    def clear(self) -> None:
+        """Delete every page file and the quarantine (other writers' fresh temp files are left)."""
+        self._check_open()
+        with self._lock:
+            self._index.clear()
+            self._bytes = 0
+        try:
+            dirs = self._fanout_dirs()
+        except OSError:
+            return
+        for d in dirs:
+            for name in _listdir_quiet(d.path):
+                if name.endswith(".kv"):
+                    _unlink_quiet(os.path.join(d.path, name))
+        qdir = os.path.join(self.path, _QUARANTINE)
+        for name in _listdir_quiet(qdir):
+            _unlink_quiet(os.path.join(qdir, name))
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {"entries": len(self._index), "bytes": self._bytes,
+                    "capacity_bytes": self.capacity_bytes, **self._counters}  # fmt: skip
+
+    def close(self) -> None:
+        """Idempotent. Writes are durable as they complete, so nothing is left to flush here."""
+        self._closed = True
+
+    def __enter__(self) -> DiskStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("DiskStore is closed")
+
+
+def _unlink_quiet(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def _listdir_quiet(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
+
+
+PayloadSource = bytes | bytearray | memoryview | Callable[[], bytes]
+
+
+class AsyncDiskWriter:
+    """Background writer so the decode loop never waits on disk.
+
+    ``submit`` never blocks: when ``max_pending`` writes are queued it drops the page (a cache may
+    forget) and counts it. ``payload`` may be a callable so encoding also happens off the hot path.
+    """
+
+    def __init__(self, store: DiskStore, max_pending: int = 256) -> None:
+        self.store = store
+        self._queue: queue.Queue[tuple[str, PayloadSource, int] | None] = queue.Queue(max_pending)
+        self._cv = threading.Condition()
+        self._pending: set[str] = set()
+        self._inflight = 0  # queued + being written
+        self._closed = False
+        self._counters = {"submitted": 0, "written": 0, "dropped": 0, "duplicates": 0, "errors": 0}
+        self._thread = threading.Thread(target=self._run, name="deepinfer-disk-writer", daemon=True)
+        self._thread.start()
+
+    def submit(self, key: str, payload: PayloadSource, token_count: int) -> bool:
+        """Queue a write; False if dropped (queue full or writer closed). Never blocks."""
+        with self._cv:
+            if self._closed:
+                self._counters["dropped"] += 1
+                return False
+            if key in self._pending:
+                self._counters["duplicates"] += 1
+                return True
+            try:
+                self._queue.put_nowait((key, payload, token_count))
+            except queue.Full:
+                self._counters["dropped"] += 1
+                return False
+            self._pending.add(key)
+            self._inflight += 1
+            self._counters["submitted"] += 1
+            return True
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            key, payload, token_count = item
+            ok = False
+            try:
+                data = payload() if callable(payload) else payload
+                ok = self.store.put(key, bytes(data), token_count)
+            except Exception:  # a bad payload callback must not kill the writer thread
+                log.exception("disk KV writer: write of %s failed", key)
+            with self._cv:
+                self._counters["written" if ok else "errors"] += 1
+                self._pending.discard(key)
+                self._inflight -= 1
+                self._cv.notify_all()
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every submitted write has finished. False if ``timeout`` expired first."""
+        with self._cv:
+            return self._cv.wait_for(lambda: self._inflight == 0, timeout)
+
+    def close(self, timeout: float | None = None) -> bool:
+        """Finish pending writes (up to ``timeout``), then stop the thread. Idempotent."""
+        with self._cv:
+            if self._closed:
+                return self._inflight == 0
+            self._closed = True
+        done = self.flush(timeout)
+        try:  # the queue is only full here if the flush timed out
+            self._queue.put(None, timeout=timeout)
+        except queue.Full:
+            return False
+        self._thread.join(timeout)
+        return done
+
+    def stats(self) -> dict[str, int]:
+        with self._cv:
+            return {**self._counters, "pending": self._inflight}

@@ -1,0 +1,281 @@
+"""KV page codecs: exact sizes, derived error bounds, edge values, bytes round trips."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from deepinfer.kv.codecs import CODEC_NAMES, FP4Codec, FP8Codec, get_codec
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+QUANT = ["fp8", "fp4", "mxfp4"]
+
+
+def roundtrip(name: str, x: torch.Tensor) -> torch.Tensor:
+    c = get_codec(name)
+    data = c.encode(x)
+    assert isinstance(data, bytes)
+    assert len(data) == c.encoded_nbytes(x.shape, x.dtype)
+    y = c.decode(data, x.shape, x.dtype, "cpu")
+    assert y.shape == x.shape and y.dtype == x.dtype
+    return y
+
+
+def out_slack(y: torch.Tensor) -> torch.Tensor:
+    """Rounding of the float32 dequantised value into the output dtype (incl. its subnormals)."""
+    fi = torch.finfo(y.dtype)
+    return y.float().abs() * fi.eps + fi.tiny * fi.eps
+
+
+# ---- bounds, derived from each format (values are in block-scaled units, s = the block scale):
+# e4m3: in binade [2^e, 2^(e+1)), e >= -6, the step is 2^(e-3) so RNE errs by <= 2^(e-4) <= |xs|/16;
+#       below 2^-6 (subnormals) the step is 2^-9, error <= 2^-10. Hence |x - x^| <= max(|x|/16, s/1024).
+# e2m1: grid 0,.5,1,1.5,2,3,4,6. In binade [2^e, 2^(e+1)), e >= 0, the step is 2^(e-1): error
+#       <= 2^(e-2) <= |xs|/4; below 1 the step is 0.5: error <= 0.25. Hence <= max(|x|/4, s/4).
+
+
+def fp8_bound(x: torch.Tensor, y: torch.Tensor, block: int) -> torch.Tensor:
+    xb = x.float().reshape(-1, block)
+    s = xb.abs().amax(1, keepdim=True) / 448
+    bound = torch.maximum(xb.abs() / 16, s / 1024) * (1 + 2**-20) + s * 2**-20
+    return bound.reshape(x.shape) + out_slack(y)
+
+
+def fp4_bound(x: torch.Tensor, y: torch.Tensor, block: int) -> torch.Tensor:
+    """NVFP4-like: the e4m3 block scale s_used differs from s = amax_b/6 by d <= max(s/16, g/1024)
+    (e4m3 RNE on s/g, normal or subnormal). Unclipped elements err by <= max(|x|/4, s_used/4);
+    clipped ones (|x| > 6 s_used) decode to 6 s_used and err by <= amax_b - 6 s_used <= 6d."""
+    xb = x.float().reshape(-1, block)
+    amax_b = xb.abs().amax(1, keepdim=True)
+    g = amax_b.max() / (448 * 6)
+    s = amax_b / 6
+    d = torch.maximum(s / 16, g / 1024)
+    bound = torch.maximum(xb.abs() / 4, (s + d) / 4) + 6 * d
+    bound = bound * (1 + 2**-18) + amax_b.max() * 2**-22
+    return bound.reshape(x.shape) + out_slack(y)
+
+
+def mxfp4_bound(x: torch.Tensor, y: torch.Tensor, block: int) -> torch.Tensor:
+    """scale = 2^ceil(log2(amax/6)) (floored at 2^-126) so amax/scale is in (3, 6]: no clipping,
+    error <= max(|x|/4, scale/4) with scale < amax/3."""
+    xb = x.float().reshape(-1, block)
+    amax_b = xb.abs().amax(1, keepdim=True)
+    scale = torch.clamp(amax_b / 3, min=2.0**-126)
+    bound = torch.maximum(xb.abs() / 4, scale / 4) * (1 + 2**-18) + amax_b * 2**-22
+    return bound.reshape(x.shape) + out_slack(y)
+
+
+BOUNDS = {"fp8": (fp8_bound, 32), "fp4": (fp4_bound, 16), "mxfp4": (mxfp4_bound, 32)}
+
+
+def assert_within_bound(name: str, x: torch.Tensor, y: torch.Tensor) -> None:
+    fn, block = BOUNDS[name]
+    err = (x.float() - y.float()).abs()
+    bound = fn(x, y, block)
+    worst = (err - bound).max().item()
+    assert worst <= 0, f"{name}: error exceeds derived bound by {worst}"
+
+
+# ------------------------------------------------------------------------------ basics
+
+
+def test_unknown_codec_lists_valid_names() -> None:
+    with pytest.raises(ValueError) as e:
+        get_codec("int3")
+    for n in CODEC_NAMES:
+        assert n in str(e.value)
+    assert set(CODEC_NAMES) == {"lossless", "fp8", "fp4", "mxfp4"}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_lossless_exact(dtype: torch.dtype) -> None:
+    x = torch.randn(4, 3, 2, 64).to(dtype)
+    y = roundtrip("lossless", x)
+    assert torch.equal(x, y)
+    assert len(get_codec("lossless").encode(x)) == x.numel() * x.element_size()
+
+
+def test_lossless_preserves_special_values() -> None:
+    x = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), 1e-45, 3.4e38])
+    y = roundtrip("lossless", x)
+    assert torch.equal(torch.signbit(x), torch.signbit(y)) and torch.equal(x, y)
+
+
+@pytest.mark.parametrize(
+    "name,bytes_per_elem,per_page",
+    [("lossless", None, 0), ("fp8", 1 + 4 / 32, 0), ("fp4", 0.5 + 1 / 16, 4), ("mxfp4", 0.5 + 1 / 32, 0)],
+)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_encoded_size(name: str, bytes_per_elem: float | None, per_page: int, dtype: torch.dtype) -> None:
+    shape = (16, 8, 128)  # one page: 16 tokens, 8 kv heads, head dim 128
+    c = get_codec(name)
+    n = math.prod(shape)
+    want = n * torch.empty((), dtype=dtype).element_size() if bytes_per_elem is None else n * bytes_per_elem + per_page
+    assert c.encoded_nbytes(shape, dtype) == want
+    assert len(c.encode(torch.randn(shape).to(dtype))) == want
+
+
+@pytest.mark.parametrize("name", QUANT)
+def test_bad_last_dim_rejected(name: str) -> None:
+    c = get_codec(name)
+    with pytest.raises(ValueError):
+        c.encode(torch.randn(4, 24))
+    with pytest.raises(ValueError):
+        c.encoded_nbytes((4, 24), torch.float32)
+
+
+@pytest.mark.parametrize("name", CODEC_NAMES)
+def test_decode_wrong_length_rejected(name: str) -> None:
+    c = get_codec(name)
+    data = c.encode(torch.randn(2, 64))
+    with pytest.raises(ValueError):
+        c.decode(data[:-1], (2, 64), torch.float32, "cpu")
+
+
+@pytest.mark.parametrize("name", QUANT)
+def test_non_finite_rejected(name: str) -> None:
+    x = torch.randn(2, 64)
+    x[1, 3] = float("nan")
+    with pytest.raises(ValueError):
+        get_codec(name).encode(x)
+
+
+def test_block_size_configurable() -> None:
+    c = get_codec("fp8", block_size=64)
+    assert c.block_size == 64 and c.tag == "fp8-b64"
+    assert c.encoded_nbytes((2, 64), torch.float16) == 128 + 2 * 4
+    x = torch.randn(2, 64)
+    err = (x - c.decode(c.encode(x), x.shape, x.dtype)).abs()
+    assert (err <= x.abs() / 16 + 1e-6).all()
+
+
+# ------------------------------------------------------------------------------ error bounds
+
+
+@pytest.mark.parametrize("name", QUANT)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_error_bound_random_normal(name: str, dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    x = torch.randn(16, 8, 128).to(dtype)
+    y = roundtrip(name, x)
+    assert_within_bound(name, x, y)
+
+
+@pytest.mark.parametrize("name,block_rel_max", [("fp8", 16 / 448), ("fp4", (1 + 2**-4) / 6), ("mxfp4", 1 / 4)])
+def test_block_error_relative_to_amax(name: str, block_rel_max: float) -> None:
+    """Per block, max |x - x^| / amax_block: fp8 <= half the top e4m3 step (16/448); NVFP4-like
+    <= (1+2^-4)/6 (a half-step of 1 at the top, scale rounded by <= 2^-4); MXFP4 <= 1/4."""
+    torch.manual_seed(1)
+    block = get_codec(name).block_size
+    # Blocks of very different size. The ratio stays below 448 / 2^-6 = 28672, the range in which
+    # fp4's per-page float32 scale keeps every e4m3 block scale normal (see the codecs docstring).
+    x = torch.randn(64, 256) * torch.logspace(-2, 2, 64)[:, None]
+    y = roundtrip(name, x)
+    xb, yb = x.reshape(-1, block), y.reshape(-1, block)
+    rel = (xb - yb).abs().amax(1) / xb.abs().amax(1)
+    assert rel.max().item() <= block_rel_max * (1 + 1e-6)
+
+
+@pytest.mark.parametrize("name", QUANT)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_zeros_and_constant_blocks(name: str, dtype: torch.dtype) -> None:
+    x = torch.zeros(4, 64, dtype=dtype)
+    assert torch.equal(roundtrip(name, x), x)
+    # A constant block: |c| is the block amax, which e4m3 hits exactly (448) and e2m1 maps to a
+    # grid point (6 for NVFP4 up to the e4m3 scale, a power of two times 4 or 6 for MXFP4).
+    x = torch.full((4, 64), -0.75, dtype=dtype)
+    x[1] = 3.0
+    y = roundtrip(name, x)
+    assert_within_bound(name, x, y)
+    if name != "fp4":  # fp4's e4m3 block scale may round; fp8 and mxfp4 reproduce these exactly
+        assert torch.equal(y, x)
+
+
+@pytest.mark.parametrize("name", QUANT)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_huge_and_tiny_values(name: str, dtype: torch.dtype) -> None:
+    fi = torch.finfo(dtype)
+    x = torch.randn(4, 64, dtype=torch.float32)
+    x[0] = x[0].sign() * fi.max * torch.rand(64) * 0.999
+    x[0, 5] = fi.max
+    x[1] *= fi.tiny * 4
+    x[2, :32] *= 1e-3
+    x = x.to(dtype)
+    y = roundtrip(name, x)
+    assert torch.isfinite(y).all()
+    assert_within_bound(name, x, y)
+
+
+def test_fp8_native_matches_table_path() -> None:
+    """The pure-torch table path (fallback without torch.float8_e4m3fn) is bit-identical."""
+    torch.manual_seed(2)
+    x = torch.randn(64, 256) * torch.logspace(-6, 6, 256)
+    # exact ties between e4m3 neighbours: 1 + 1/16 (-> 1.0) and 1 + 3/16 (-> 1.25), scaled to amax 448
+    x[0, :32] = torch.tensor([448.0, 1.0625, 1.1875, -1.0625, 2.0**-10, 3 * 2.0**-10] + [0.0] * 26)
+    for cls in (FP8Codec, FP4Codec):
+        native, table = cls(native=True), cls(native=False)
+        assert native.encode(x) == table.encode(x)
+        data = table.encode(x)
+        assert torch.equal(native.decode(data, x.shape, x.dtype), table.decode(data, x.shape, x.dtype))
+    y = roundtrip("fp8", x[:1, :32])
+    assert y[0, :6].tolist() == [448.0, 1.0, 1.25, -1.0, 0.0, 2.0**-8]  # round half to even
+
+
+def test_fp4_grid_round_half_even() -> None:
+    """MXFP4 with amax 6 has scale 1, so values map onto the e2m1 grid directly."""
+    vals = [6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -5.0, 4.9, 0.1]
+    want = [6.0, 0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, -4.0, 4.0, 0.0]
+    x = torch.zeros(1, 32)
+    x[0, : len(vals)] = torch.tensor(vals)
+    y = roundtrip("mxfp4", x)
+    assert y[0, : len(vals)].tolist() == want
+
+
+def test_encode_to_tensor_stays_on_device() -> None:
+    c = get_codec("fp4")
+    x = torch.randn(8, 64)
+    buf = c.encode_to_tensor(x)
+    assert buf.dtype == torch.uint8 and buf.device == x.device
+    assert buf.numel() == c.encoded_nbytes(x.shape, x.dtype)
+    assert torch.equal(c.decode_from_tensor(buf, x.shape, x.dtype), c.decode(c.encode(x), x.shape, x.dtype))
+
+
+# ------------------------------------------------------------------------------ property test
+
+
+@st.composite
+def pages(draw: st.DrawFn) -> tuple[str, torch.Tensor]:
+    name = draw(st.sampled_from(CODEC_NAMES))
+    dtype = draw(st.sampled_from(DTYPES))
+    block = get_codec(name).block_size
+    lead = draw(st.lists(st.integers(1, 3), min_size=0, max_size=3))
+    shape = (*lead, block * draw(st.integers(1, 3)))
+    limit = float(torch.finfo(dtype).max)
+    elems = st.floats(-limit, limit, allow_nan=False, allow_infinity=False, width=32)
+    arr = draw(hnp.arrays(np.float32, shape, elements=elems))
+    return name, torch.from_numpy(arr).to(dtype)
+
+
+@settings(max_examples=150, deadline=None)
+@given(pages())
+def test_roundtrip_property(page: tuple[str, torch.Tensor]) -> None:
+    name, x = page
+    y = roundtrip(name, x)
+    if name == "lossless":
+        assert torch.equal(x, y)
+    else:
+        assert_within_bound(name, x, y)
+
+
+@pytest.mark.parametrize("name", CODEC_NAMES)
+def test_non_contiguous_input(name: str) -> None:
+    x = torch.randn(64, 4, 8).permute(2, 1, 0)  # e.g. a strided slice of a pool buffer
+    assert not x.is_contiguous()
+    c = get_codec(name)
+    assert c.encode(x) == c.encode(x.contiguous())
