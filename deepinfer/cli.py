@@ -103,6 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(c)
     add_sampling_args(c)
     c.set_defaults(func=cmd_chat)
+    from .bench.cli import add_subcommands as add_bench_subcommands
+
+    b = sub.add_parser("bench", help="benchmarks: workloads, trace replay, peers, ideal hit rates")
+    add_bench_subcommands(b.add_subparsers(dest="bench_command", required=True))
     return parser
 
 

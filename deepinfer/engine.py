@@ -46,6 +46,7 @@ class LLMEngine:
         self.config = config
         ckpt = load_checkpoint(config.model, progress=config.progress)
         self.model_name = ckpt.name
+        self.checkpoint_path = ckpt.path
         self.tokenizer = ckpt.tokenizer
         self.hf_config = ckpt.config
         self.eos_token_ids = set(ckpt.eos_token_ids)
@@ -53,7 +54,9 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or min(limit, MAX_DEFAULT_LEN)
         self.runner = ModelRunner(config, ckpt, self.max_model_len)
         capacity = (self.runner.pool.allocator.num_pages - 1) * config.page_size
-        if capacity < self.max_model_len:
+        if config.max_model_len is None:
+            self.max_model_len = min(self.max_model_len, capacity)
+        elif capacity < self.max_model_len:
             raise ValueError(f"KV pool holds {capacity} tokens, less than max_model_len="
                              f"{self.max_model_len}; raise --num-pages/--kv-cache-memory-gb")
         self.model_identity = "|".join([

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+from tqdm import tqdm
 
 from .config import EngineConfig
 from .forward_batch import ForwardBatch, PrefillSegment
@@ -43,7 +44,10 @@ class ModelRunner:
         for m in model.modules():  # tables that are computed, not loaded
             if isinstance(m, RotaryEmbedding):
                 m.build(self.device)
-        model.load_weights((n, t.to(self.dtype)) for n, t in ckpt.weights())
+        weights = ((n, t.to(self.dtype)) for n, t in ckpt.weights())
+        if self.config.progress:
+            weights = tqdm(weights, desc=f"loading {ckpt.name}", unit=" tensors", leave=False)
+        model.load_weights(weights)
         return model.to(self.dtype).eval()
 
     # ------------------------------------------------------------------ batch

@@ -2,9 +2,17 @@
 
 The families differ only in switches read from the HF config: q/k/v bias (Qwen2),
 per-head q/k RMSNorm (Qwen3), sliding-window layers (Mistral, ``layer_types``).
+
+Cross-layer KV sharing (CLA; no HF equivalent) is switched on by a config attribute:
+``cross_layer_kv_share = g`` groups every g adjacent layers, or ``kv_sharing_groups`` lists the
+groups explicitly (e.g. ``[[0, 1], [2, 3, 4]]``, each a run of adjacent layers). The first layer of a
+group computes and stores K/V; the others project only Q and attend over the owner's cache (they
+have no k/v projections: such tensors in a checkpoint are skipped).
 """
 
 from __future__ import annotations
+
+import re
 
 import torch
 from torch import nn
@@ -31,6 +39,21 @@ def layer_window(config, i: int) -> int | None:
     return window
 
 
+def kv_share_source(config, i: int) -> int | None:
+    """Index of the layer whose KV cache layer i reads (None: layer i owns its cache)."""
+    groups = getattr(config, "kv_sharing_groups", None)
+    if groups:
+        for group in groups:
+            group = list(group)
+            if group != list(range(group[0], group[0] + len(group))):
+                raise ValueError(f"kv_sharing_groups must list adjacent layers, got {group}")
+            if i in group[1:]:
+                return group[0]
+        return None
+    size = getattr(config, "cross_layer_kv_share", None) or 1
+    return i - i % size if i % size else None
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, config, layer_idx: int, rotary: RotaryEmbedding) -> None:
         super().__init__()
@@ -38,25 +61,31 @@ class LlamaAttention(nn.Module):
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         bias = getattr(config, "attention_bias", False) or config.model_type == "qwen2"
-        self.qkv_proj = FusedLinear(
-            config.hidden_size,
-            [self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
-             self.num_kv_heads * self.head_dim], bias=bias)
+        self.share_with = kv_share_source(config, layer_idx)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        # A layer reading another layer's cache only projects queries.
+        self.qkv_proj = FusedLinear(config.hidden_size,
+                                    [q_size] if self.share_with is not None else [q_size, kv_size, kv_size],
+                                    bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size,
                                 bias=getattr(config, "attention_bias", False))
         self.qk_norm = config.model_type == "qwen3"
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            if self.share_with is None:
+                self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.rotary = rotary
         self.layer_idx = layer_idx
         self.window = layer_window(config, layer_idx)
         self.scale = self.head_dim ** -0.5
 
     def kv_spec(self) -> KVSpec:
-        return KVSpec.gqa(self.num_kv_heads, self.head_dim, window=self.window)
+        return KVSpec.gqa(self.num_kv_heads, self.head_dim, window=self.window,
+                          share_with=self.share_with)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: dict[str, torch.Tensor]) -> torch.Tensor:
+        if self.share_with is not None:
+            return self._forward_shared(x, batch, kv)
         T = x.shape[0]
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))
         q = q.view(T, self.num_heads, self.head_dim)
@@ -69,6 +98,20 @@ class LlamaAttention(nn.Module):
         store_kv(kv["k"], k, batch.slot_mapping)
         store_kv(kv["v"], v, batch.slot_mapping)
         o = paged_attention(q, k, v, kv["k"], kv["v"], batch, self.scale, window=self.window)
+        return self.o_proj(o.reshape(T, -1))
+
+    def _forward_shared(self, x: torch.Tensor, batch: ForwardBatch,
+                        kv: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Queries only; K/V are the group owner's, already stored for this step's tokens."""
+        T = x.shape[0]
+        q = self.qkv_proj(x).view(T, self.num_heads, self.head_dim)
+        if self.qk_norm:
+            q = self.q_norm(q)
+        q = self.rotary(batch.positions, q)
+        k_cache, v_cache = kv["k"], kv["v"]
+        k = k_cache.view(-1, *k_cache.shape[2:]).index_select(0, batch.slot_mapping)
+        v = v_cache.view(-1, *v_cache.shape[2:]).index_select(0, batch.slot_mapping)
+        o = paged_attention(q, k, v, k_cache, v_cache, batch, self.scale, window=self.window)
         return self.o_proj(o.reshape(T, -1))
 
 
@@ -109,6 +152,9 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
+_KV_WEIGHT = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(k_proj|v_proj|k_norm)\.")
+
+
 class LlamaForCausalLM(CausalLM):
     fused_shards = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
                     "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
@@ -118,11 +164,15 @@ class LlamaForCausalLM(CausalLM):
         self.config = config
         self.model = LlamaModel(config, max_positions)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if getattr(config, "tie_word_embeddings", False):
-            self.lm_head.weight = self.model.embed_tokens.weight
 
     def kv_specs(self) -> list[KVSpec]:
         return [layer.self_attn.kv_spec() for layer in self.model.layers]
+
+    def map_weight_name(self, name: str) -> str | None:
+        m = _KV_WEIGHT.match(name)
+        if m and self.model.layers[int(m.group(1))].self_attn.share_with is not None:
+            return None  # K/V projections of a layer that reads a shared cache: unused
+        return name
 
     def forward(self, batch: ForwardBatch, kv: list[dict[str, torch.Tensor]]) -> torch.Tensor:
         x = self.model.embed_tokens(batch.input_ids)
@@ -134,5 +184,7 @@ class LlamaForCausalLM(CausalLM):
         return self.lm_head(self.model.norm(hidden))
 
     def tie_weights_if_needed(self, loaded: set[str]) -> None:
-        if getattr(self.config, "tie_word_embeddings", False):
+        # Tied after loading: meta-device construction and to_empty() do not keep ties.
+        if getattr(self.config, "tie_word_embeddings", False) and "lm_head.weight" not in loaded:
+            self.lm_head.weight = self.model.embed_tokens.weight
             loaded.add("lm_head.weight")

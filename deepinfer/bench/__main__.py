@@ -1,0 +1,3 @@
+from deepinfer.bench.cli import main
+
+raise SystemExit(main())
