@@ -3,6 +3,16 @@ import pytest
 from tiny_checkpoints import make_checkpoint, tiny_llama_config
 
 
+@pytest.fixture(scope="session", autouse=True)
+def deepinfer_cache_dir(tmp_path_factory):
+    """One fresh cache (converted models, disk KV tier) for the whole session: tests never read
+    or write ~/.cache/deepinfer, and the embedded model is converted once per session."""
+    path = tmp_path_factory.mktemp("deepinfer-cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DEEPINFER_CACHE_DIR", str(path))
+        yield path
+
+
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory):
     """Path of a tiny random Llama checkpoint (2 layers, hidden 64) with a ChatML tokenizer."""
