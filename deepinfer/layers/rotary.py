@@ -20,11 +20,14 @@ def rope_inv_freq(config, head_dim: int, layer_type: str | None = None) -> tuple
     if rope_type == "default":
         dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
         base = params["rope_theta"]
-        exps = torch.arange(0, dim, 2, dtype=torch.float64, device="cpu") / dim
-        return (1.0 / base**exps).float(), 1.0
+        exps = torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim
+        return 1.0 / base**exps, 1.0
     # Scaled variants (llama3, yarn, linear, ...): reuse transformers' reference formulas.
     kwargs = {"layer_type": layer_type} if layer_type is not None else {}
-    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"), **kwargs)
+    # The runner builds models under ``torch.device("meta")``; these formulas create tensors
+    # without a device, so pin them to the CPU (the tables are computed, never loaded).
+    with torch.device("cpu"):
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"), **kwargs)
     return inv_freq.float(), scaling
 
 
@@ -34,7 +37,7 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, inv_freq: torch.Tensor, max_positions: int, scaling: float = 1.0,
                  interleaved: bool = False) -> None:
         super().__init__()
-        self.inv_freq = inv_freq.detach().to("cpu", torch.float64)
+        self.inv_freq = inv_freq.detach().to("cpu", torch.float32)
         self.max_positions = max_positions
         self.scaling = scaling
         self.rot_dim = 2 * inv_freq.numel()
@@ -43,7 +46,8 @@ class RotaryEmbedding(nn.Module):
         self.build(torch.device("cpu"))
 
     def build(self, device: torch.device) -> None:
-        t = torch.arange(self.max_positions, dtype=torch.float64, device="cpu")
+        # fp32 arithmetic, as the reference implementations do, so positions agree bit for bit
+        t = torch.arange(self.max_positions, dtype=torch.float32, device="cpu")
         freqs = torch.outer(t, self.inv_freq)
         self.cos = (freqs.cos() * self.scaling).float().to(device)
         self.sin = (freqs.sin() * self.scaling).float().to(device)
