@@ -25,6 +25,17 @@ def gather_pages(cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
     return g.reshape(*pages.shape[:-1], -1, *cache.shape[2:])
 
 
+def _gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor,
+               pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gather K and V pages; when V is a leading slice of K's own storage (MLA: values are the
+    latent part of the cached ``[latent, k_pe]``), gather once and slice."""
+    k = gather_pages(k_cache, pages)
+    if (v_cache.data_ptr() == k_cache.data_ptr() and v_cache.shape[:-1] == k_cache.shape[:-1]
+            and v_cache.stride()[:-1] == k_cache.stride()[:-1]):
+        return k, k[..., : v_cache.shape[-1]]
+    return k, gather_pages(v_cache, pages)
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
            scale: float, causal: bool = False, softcap: float | None = None,
            sinks: torch.Tensor | None = None) -> torch.Tensor:
@@ -58,8 +69,8 @@ def paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
     out = q.new_empty(q.shape[0], q.shape[1], v_cache.shape[-1])
     nd = batch.num_decodes
     if nd:
-        k = gather_pages(k_cache, batch.decode_pages).transpose(1, 2)
-        v = gather_pages(v_cache, batch.decode_pages).transpose(1, 2)
+        k, v = _gather_kv(k_cache, v_cache, batch.decode_pages)
+        k, v = k.transpose(1, 2), v.transpose(1, 2)
         o = attend(q[:nd].unsqueeze(2), k, v, batch.decode_mask(window), scale,
                    softcap=softcap, sinks=sinks)
         out[:nd] = o.squeeze(2)
@@ -68,8 +79,8 @@ def paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
         if seg.kv_len == seg.q_len:  # nothing cached before this chunk: use K/V as computed
             k, v = k_new[sl], v_new[sl]
         else:
-            k = gather_pages(k_cache, seg.pages)[: seg.kv_len]
-            v = gather_pages(v_cache, seg.pages)[: seg.kv_len]
+            k, v = _gather_kv(k_cache, v_cache, seg.pages)
+            k, v = k[: seg.kv_len], v[: seg.kv_len]
         mask = batch.prefill_mask(i, window)
         o = attend(q[sl].transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                    mask, scale, causal=mask is None, softcap=softcap, sinks=sinks)

@@ -43,6 +43,10 @@ class CausalLM(nn.Module):
             target = self.map_weight_name(name)
             if target is None:
                 continue
+            custom = self.load_custom_weight(target, tensor)
+            if custom is not None:
+                loaded.add(custom)
+                continue
             for frag, (fused, shard) in self.fused_shards.items():
                 if f".{frag}." in target:
                     mod_name, _, pname = target.replace(f".{frag}.", f".{fused}.").rpartition(".")
@@ -68,5 +72,49 @@ class CausalLM(nn.Module):
         """Checkpoint name -> our parameter name (None to skip)."""
         return name
 
+    def load_custom_weight(self, target: str, tensor: torch.Tensor) -> str | None:
+        """Hook for tensors that need more than a copy (e.g. one expert of a stacked tensor).
+
+        Returns the name of the parameter it loaded, or None to fall through to the default.
+        """
+        return None
+
+    def tied_embeddings(self) -> bool:
+        return bool(getattr(getattr(self, "config", None), "tie_word_embeddings", False))
+
     def tie_weights_if_needed(self, loaded: set[str]) -> None:
-        pass
+        """Share the input embedding with the LM head when the config ties them.
+
+        Re-assigning matters: the runner builds the model on the meta device and then calls
+        ``to_empty()``, which gives every module its own new tensor, silently untying parameters
+        tied in ``__init__`` (the head would stay uninitialised when the checkpoint omits it).
+        """
+        if self.tied_embeddings():
+            self.lm_head.weight = self.model.embed_tokens.weight
+            loaded.add("lm_head.weight")
+
+    def moe_stats(self) -> dict:
+        """Tokens routed to each expert, per MoE layer: ``{"layers": {layer: {"last": [...],
+        "total": [...], "steps": n}}, "num_experts": E, "top_k": K}`` (empty layers when dense).
+
+        ``last`` is the latest forward step, ``total`` the sum since start (or the last reset);
+        each layer's counts of a step sum to tokens x top_k.
+        """
+        from ..layers.moe import MoEBlock
+
+        blocks = [m for m in self.modules() if isinstance(m, MoEBlock)]
+        out: dict = {"layers": {}}
+        if blocks:
+            out["num_experts"] = blocks[0].num_experts
+            out["top_k"] = blocks[0].top_k
+        for b in blocks:
+            out["layers"][b.layer_idx] = {"last": list(b.last_counts), "total": list(b.total_counts),
+                                          "steps": b.steps}
+        return out
+
+    def reset_moe_stats(self) -> None:
+        from ..layers.moe import MoEBlock
+
+        for m in self.modules():
+            if isinstance(m, MoEBlock):
+                m.reset_stats()

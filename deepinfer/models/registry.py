@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from .base import CausalLM
+from .deepseek_v3 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
+from .gemma import GemmaForCausalLM
+from .gpt_oss import GptOssForCausalLM
 from .llama import LlamaForCausalLM
 
 MODEL_CLASSES: dict[str, type[CausalLM]] = {
@@ -10,6 +13,11 @@ MODEL_CLASSES: dict[str, type[CausalLM]] = {
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
+    "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
+    "Gemma2ForCausalLM": GemmaForCausalLM,
+    "Gemma3ForCausalLM": GemmaForCausalLM,
+    "GptOssForCausalLM": GptOssForCausalLM,
 }
 
 

@@ -1,0 +1,74 @@
+"""KV bytes per token from the engine's own layouts (models built on the meta device)."""
+
+import pytest
+import torch
+
+from deepinfer.kv.codecs import get_codec
+from deepinfer.kv.pool import PagePool
+from deepinfer.models.kv_size import kv_bytes_per_token, kv_layout, reference_configs, tables
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+PS = 16
+
+
+@pytest.fixture(scope="module")
+def refs():
+    return reference_configs()
+
+
+def fp8(n):  # bytes of n elements under the fp8 codec: 1 byte each + fp32 scale per 32
+    return n + n // 32 * 4
+
+
+def fp4(n):  # fp4 codec: half a byte each + e4m3 scale per 16 + one fp32 scale per page buffer
+    return n // 2 + n // 16 + 4
+
+
+def test_llama3_8b(refs):
+    cfg = refs["Llama-3-8B (GQA)"]
+    per_layer = 2 * 8 * 128  # k and v elements per token
+    assert kv_bytes_per_token(cfg).per_token_full == 32 * per_layer * 2 == 131072
+    assert kv_bytes_per_token(cfg, "fp8").per_token_full == 32 * 2 * fp8(PS * 8 * 128) / PS
+    assert kv_bytes_per_token(cfg, "fp4").per_token_full == 32 * 2 * fp4(PS * 8 * 128) / PS
+    shared = kv_bytes_per_token(cfg, share=2)
+    assert shared.shared_by == "model" and shared.owning_layers == 16
+    assert shared.per_token_full == 131072 / 2
+
+
+def test_deepseek_v3_mla(refs):
+    cfg = refs["DeepSeek-V3 (MLA)"]
+    specs, _ = kv_layout(cfg)
+    assert len(specs) == 61 and all(s.components == (("kv", (1, 576)),) for s in specs)
+    assert kv_bytes_per_token(cfg).per_token_full == 61 * 576 * 2 == 70272
+    assert kv_bytes_per_token(cfg, "fp8").per_token_full == 61 * fp8(PS * 576) / PS
+
+
+def test_gemma3_hybrid(refs):
+    cfg = refs["Gemma-3-27B (5 local : 1 global)"]
+    k = kv_bytes_per_token(cfg)
+    assert (k.full_layers, k.sliding_layers, k.window) == (10, 52, 1024)
+    per_layer = 2 * 16 * 128 * 2
+    assert k.per_token_full == 10 * per_layer
+    assert k.window_bytes_per_seq == 52 * per_layer * 1024
+    assert k.per_token_all == 62 * per_layer
+    small = kv_bytes_per_token(refs["Gemma-3-270M (5 local : 1 global)"])
+    assert (small.full_layers, small.sliding_layers, small.per_token_full) == (3, 15, 3 * 1024)
+
+
+def test_matches_pool_accounting(refs):
+    """Lossless bytes/token x page size == what the pool allocates per page for that layout."""
+    for name, cfg in refs.items():
+        specs, _ = kv_layout(cfg, 2)
+        k = kv_bytes_per_token(cfg, dtype=torch.float32, share=2)
+        assert k.per_token_all * PS == PagePool.bytes_per_page(specs, PS, torch.float32), name
+
+
+def test_codec_formula_matches_codec():
+    assert get_codec("fp8").encoded_nbytes((PS, 8, 128), torch.bfloat16) == fp8(PS * 8 * 128)
+    assert get_codec("fp4").encoded_nbytes((PS, 8, 128), torch.bfloat16) == fp4(PS * 8 * 128)
+
+
+def test_table_renders():
+    text = tables()
+    assert "DeepSeek-V3 (MLA)" in text and "131,072" in text and "70,272" in text
