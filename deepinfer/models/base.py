@@ -14,8 +14,10 @@ from ..layers.linear import FusedLinear
 
 
 class CausalLM(nn.Module):
-    """Base for our model classes.
+    """Base for our model classes: a decoder-only stack in HF's module layout.
 
+    A subclass builds ``self.model`` (with ``embed_tokens``, ``layers`` whose ``self_attn`` has
+    ``kv_spec()``, and ``norm``) and ``self.lm_head``, and overrides only what differs.
     ``fused_shards`` maps a checkpoint name fragment to (our fused module fragment, shard index),
     e.g. ``{"q_proj": ("qkv_proj", 0)}``; every other checkpoint tensor is copied by name.
     """
@@ -23,15 +25,27 @@ class CausalLM(nn.Module):
     fused_shards: dict[str, tuple[str, int]] = {}
     ignored_weights: tuple[str, ...] = (r"rotary_emb\.inv_freq",)
 
+    def __init__(self, config, model: nn.Module) -> None:
+        super().__init__()
+        self.config = config
+        self.model = model
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
     def kv_specs(self) -> list[KVSpec]:
-        raise NotImplementedError
+        return [layer.self_attn.kv_spec() for layer in self.model.layers]
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
 
     def forward(self, batch: ForwardBatch, kv: list[dict[str, torch.Tensor]]) -> torch.Tensor:
         """Hidden states [T, hidden] of the batch's new tokens; writes their KV into ``kv``."""
-        raise NotImplementedError
+        x = self.embed(batch.input_ids)
+        for layer, layer_kv in zip(self.model.layers, kv):
+            x = layer(x, batch, layer_kv)
+        return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+        return self.lm_head(self.model.norm(hidden))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         params = dict(self.named_parameters())

@@ -228,24 +228,7 @@ class DeepseekV3ForCausalLM(CausalLM):
     fused_shards = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
     def __init__(self, config, max_positions: int) -> None:
-        super().__init__()
-        self.config = config
-        self.model = DeepseekModel(config, max_positions, self.version)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if getattr(config, "tie_word_embeddings", False):
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    def kv_specs(self) -> list[KVSpec]:
-        return [layer.self_attn.kv_spec() for layer in self.model.layers]
-
-    def forward(self, batch: ForwardBatch, kv: list[dict[str, torch.Tensor]]) -> torch.Tensor:
-        x = self.model.embed_tokens(batch.input_ids)
-        for layer, layer_kv in zip(self.model.layers, kv):
-            x = layer(x, batch, layer_kv)
-        return x
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.model.norm(hidden))
+        super().__init__(config, DeepseekModel(config, max_positions, self.version))
 
     _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
 

@@ -134,34 +134,23 @@ class GemmaForCausalLM(CausalLM):
                     "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
     def __init__(self, config, max_positions: int) -> None:
-        super().__init__()
         if config.model_type not in ("gemma2", "gemma3_text"):
             raise ValueError(f"GemmaForCausalLM supports gemma2 and gemma3_text, not {config.model_type!r}")
         if getattr(config, "use_bidirectional_attention", False):
             raise ValueError("bidirectional Gemma (embedding models) is not supported for generation")
-        self.config = config
-        self.model = GemmaModel(config, max_positions)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if getattr(config, "tie_word_embeddings", True):
-            self.lm_head.weight = self.model.embed_tokens.weight
+        super().__init__(config, GemmaModel(config, max_positions))
         self.final_softcap = getattr(config, "final_logit_softcapping", None)
 
     def tied_embeddings(self) -> bool:
         return bool(getattr(self.config, "tie_word_embeddings", True))
 
-    def kv_specs(self) -> list[KVSpec]:
-        return [layer.self_attn.kv_spec() for layer in self.model.layers]
-
-    def forward(self, batch: ForwardBatch, kv: list[dict[str, torch.Tensor]]) -> torch.Tensor:
-        x = self.model.embed_tokens(batch.input_ids)
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.model.embed_tokens(input_ids)
         # HF multiplies by the scale cast to the weights' dtype (sqrt(3072) -> 55.5 in bf16).
-        x = x * torch.tensor(self.model.embed_scale, dtype=x.dtype)
-        for layer, layer_kv in zip(self.model.layers, kv):
-            x = layer(x, batch, layer_kv)
-        return x
+        return x * torch.tensor(self.model.embed_scale, dtype=x.dtype)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(self.model.norm(hidden))
+        logits = super().compute_logits(hidden)
         if self.final_softcap:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits

@@ -118,21 +118,4 @@ class GptOssForCausalLM(CausalLM):
     fused_shards = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2)}
 
     def __init__(self, config, max_positions: int) -> None:
-        super().__init__()
-        self.config = config
-        self.model = GptOssModel(config, max_positions)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if getattr(config, "tie_word_embeddings", False):
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    def kv_specs(self) -> list[KVSpec]:
-        return [layer.self_attn.kv_spec() for layer in self.model.layers]
-
-    def forward(self, batch: ForwardBatch, kv: list[dict[str, torch.Tensor]]) -> torch.Tensor:
-        x = self.model.embed_tokens(batch.input_ids)
-        for layer, layer_kv in zip(self.model.layers, kv):
-            x = layer(x, batch, layer_kv)
-        return x
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.model.norm(hidden))
+        super().__init__(config, GptOssModel(config, max_positions))

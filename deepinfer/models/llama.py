@@ -160,31 +160,10 @@ class LlamaForCausalLM(CausalLM):
                     "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
     def __init__(self, config, max_positions: int) -> None:
-        super().__init__()
-        self.config = config
-        self.model = LlamaModel(config, max_positions)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-
-    def kv_specs(self) -> list[KVSpec]:
-        return [layer.self_attn.kv_spec() for layer in self.model.layers]
+        super().__init__(config, LlamaModel(config, max_positions))
 
     def map_weight_name(self, name: str) -> str | None:
         m = _KV_WEIGHT.match(name)
         if m and self.model.layers[int(m.group(1))].self_attn.share_with is not None:
             return None  # K/V projections of a layer that reads a shared cache: unused
         return name
-
-    def forward(self, batch: ForwardBatch, kv: list[dict[str, torch.Tensor]]) -> torch.Tensor:
-        x = self.model.embed_tokens(batch.input_ids)
-        for layer, layer_kv in zip(self.model.layers, kv):
-            x = layer(x, batch, layer_kv)
-        return x
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.model.norm(hidden))
-
-    def tie_weights_if_needed(self, loaded: set[str]) -> None:
-        # Tied after loading: meta-device construction and to_empty() do not keep ties.
-        if getattr(self.config, "tie_word_embeddings", False) and "lm_head.weight" not in loaded:
-            self.lm_head.weight = self.model.embed_tokens.weight
-            loaded.add("lm_head.weight")
