@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -15,10 +16,10 @@ class RMSNorm(nn.Module):
         self.unit_offset = unit_offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Computed in fp32 whatever the activation dtype, as the reference implementations do.
         dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        w = self.weight.float()
+        w = self.weight if self.weight.dtype == torch.float32 else self.weight.float()
         if self.unit_offset:
             w = 1.0 + w
-        return (x * w).to(dtype)
+        h = F.rms_norm(x if dtype == torch.float32 else x.float(), w.shape, w, self.eps)
+        return h if dtype == torch.float32 else h.to(dtype)

@@ -43,6 +43,8 @@ class RotaryEmbedding(nn.Module):
         self.rot_dim = 2 * inv_freq.numel()
         # interleaved: pairs are (x0, x1), (x2, x3)... (GPT-J / DeepSeek); else halves (NeoX / HF).
         self.interleaved = interleaved
+        self._last_positions: torch.Tensor | None = None
+        self._last_tables: tuple[torch.Tensor, torch.Tensor] = ()
         self.build(torch.device("cpu"))
 
     def build(self, device: torch.device) -> None:
@@ -51,12 +53,15 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(t, self.inv_freq)
         self.cos = (freqs.cos() * self.scaling).float().to(device)
         self.sin = (freqs.sin() * self.scaling).float().to(device)
+        self._last_positions = None
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Rotate ``x`` of shape [T, heads, head_dim] (first ``rot_dim`` dims) by position."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        rot, rest = x[..., : self.rot_dim].float(), x[..., self.rot_dim :]
+        cos, sin = self._tables(positions)
+        full = x.shape[-1] == self.rot_dim
+        rot = x if full else x[..., : self.rot_dim]
+        if rot.dtype != torch.float32:
+            rot = rot.float()
         if self.interleaved:
             x1, x2 = rot[..., 0::2], rot[..., 1::2]
             out = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
@@ -64,4 +69,11 @@ class RotaryEmbedding(nn.Module):
             x1, x2 = rot.chunk(2, dim=-1)
             out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
         out = out.to(x.dtype)
-        return torch.cat((out, rest), dim=-1) if rest.numel() else out
+        return out if full else torch.cat((out, x[..., self.rot_dim :]), dim=-1)
+
+    def _tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # Every layer of a step passes the same positions tensor: look the tables up once.
+        if positions is not self._last_positions:
+            self._last_positions = positions
+            self._last_tables = (self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1))
+        return self._last_tables
