@@ -1,0 +1,424 @@
+"""FastAPI app: OpenAI/DeepSeek-compatible endpoints over the engine thread.
+
+Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
+``GET /v1/models/{id}``, ``POST /v1/cache/explain``, ``GET /health``, ``GET /metrics``.
+
+Every response carries usage, streamed or not: ``prompt_tokens``, ``completion_tokens``,
+``total_tokens``, ``prompt_cache_hit_tokens`` + ``prompt_cache_miss_tokens`` (DeepSeek; they
+sum to ``prompt_tokens``), ``prompt_tokens_details.cached_tokens`` (OpenAI) and
+``prompt_tokens_details.cached_tokens_by_tier``. A stream carries usage on its last choice
+chunk (the one with ``finish_reason``, as DeepSeek does); with
+``stream_options.include_usage`` one more chunk follows with ``choices: []`` and the usage
+(as OpenAI does). Headers ``x-deepinfer-prompt-encoding`` and
+``x-deepinfer-history-rewritten`` say how a chat prompt was encoded (see ``prompts.py``).
+
+Client disconnects are noticed by a task that waits for the ASGI ``http.disconnect``
+message; the request is then aborted on the engine and its pages go back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import socket
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..engine import LLMEngine
+from .async_engine import Admitted, AsyncEngine, Delta, Submission, merge_deltas
+from .config import ServerConfig
+from .metrics import render
+from .protocol import APIError, ParsedRequest, parse_json_body, parse_request
+
+log = logging.getLogger("deepinfer.server")
+
+_DISCONNECTED = object()
+
+
+# ---------------------------------------------------------------------- auth
+class BearerAuth:
+    """ASGI middleware: ``Authorization: Bearer <key>`` on every path but /health."""
+
+    OPEN = frozenset({"/health"})
+
+    def __init__(self, app, api_key: str) -> None:
+        self.app = app
+        self.key = api_key.encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["path"] in self.OPEN:
+            return await self.app(scope, receive, send)
+        auth = b""
+        for k, v in scope.get("headers", []):
+            if k == b"authorization":
+                auth = v
+                break
+        scheme, _, token = auth.partition(b" ")
+        if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key):
+            return await self.app(scope, receive, send)
+        err = APIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
+                       code="invalid_api_key")
+        resp = JSONResponse(err.body(), status_code=401,
+                            headers={"WWW-Authenticate": "Bearer"})
+        await resp(scope, receive, send)
+
+
+# ---------------------------------------------------------------------- formatting
+def _chat_logprobs(entries: list[dict] | None) -> dict | None:
+    if entries is None:
+        return None
+
+    def one(tok: str, lp: float) -> dict:
+        return {"token": tok, "logprob": lp, "bytes": list(tok.encode("utf-8"))}
+
+    return {"content": [{**one(e["token"], e["logprob"]),
+                         "top_logprobs": [one(t, lp) for _, t, lp in e["top"]]}
+                        for e in entries]}
+
+
+def _completion_logprobs(entries: list[dict] | None, offset: int) -> tuple[dict | None, int]:
+    if entries is None:
+        return None, offset
+    offsets = []
+    for e in entries:
+        offsets.append(offset)
+        offset += len(e["token"])
+    return {"tokens": [e["token"] for e in entries],
+            "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{t: lp for _, t, lp in e["top"]} for e in entries],
+            "text_offset": offsets}, offset
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+async def _watch_disconnect(request: Request, q: asyncio.Queue, on_disconnect) -> None:
+    """When the client goes away (after the body was read): ``on_disconnect()`` and put
+    ``_DISCONNECTED`` in ``q`` for whoever waits on it."""
+    try:
+        while True:
+            msg = await request.receive()
+            if msg["type"] == "http.disconnect":
+                on_disconnect()
+                q.put_nowait(_DISCONNECTED)
+                return
+    except asyncio.CancelledError:
+        raise
+    except Exception:  # noqa: BLE001 - nothing more to learn from this connection
+        return
+
+
+# ---------------------------------------------------------------------- app
+class Server:
+    def __init__(self, engine: LLMEngine, config: ServerConfig | None = None) -> None:
+        self.config = config or ServerConfig()
+        self.engine = engine
+        self.async_engine = AsyncEngine(engine, self.config)
+        self.model_name = self.config.served_model_name or engine.model_name
+        self.model_names = {self.model_name, engine.model_name}
+        if engine.config.model:
+            self.model_names.add(str(engine.config.model))
+        self.created = int(time.time())
+
+    # ------------------------------------------------------------------ helpers
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.model_names:
+            raise APIError(404, f"The model `{model}` does not exist; this server serves "
+                                f"`{self.model_name}`.", param="model", code="model_not_found")
+
+    def _headers(self, rid: str, adm: Admitted) -> dict[str, str]:
+        return {"x-request-id": rid,
+                "x-deepinfer-prompt-encoding": adm.prompt.encoding,
+                "x-deepinfer-history-rewritten": "true" if adm.prompt.history_rewritten
+                else "false"}
+
+    # ------------------------------------------------------------------ completions
+    async def completion(self, request: Request, kind: str) -> Response:
+        parsed = parse_request(parse_json_body(await request.body()), kind)
+        self._check_model(parsed.model)
+        rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        sub = Submission(rid, parsed)
+        adm, q = await self.async_engine.submit(sub)
+        headers = self._headers(rid, adm)
+        watcher = asyncio.create_task(_watch_disconnect(
+            request, q, lambda: self.async_engine.abort(rid)))
+        if parsed.stream:
+            return StreamingResponse(self._stream(sub, q, watcher), headers=headers,
+                                     media_type="text/event-stream")
+        try:
+            return await self._collect(sub, q, headers)
+        finally:
+            watcher.cancel()
+
+    @staticmethod
+    async def _next(q: asyncio.Queue) -> Delta | None:
+        """The next delta, merged with any others already queued; None once the client left."""
+        d = await q.get()
+        while d is not _DISCONNECTED and not d.final and not q.empty():
+            nxt = q.get_nowait()
+            if nxt is _DISCONNECTED:
+                q.put_nowait(nxt)  # seen on the next call
+                break
+            d = merge_deltas(d, nxt)
+        return None if d is _DISCONNECTED else d
+
+    async def _collect(self, sub: Submission, q: asyncio.Queue, headers: dict) -> Response:
+        p, rid = sub.parsed, sub.request_id
+        text: list[str] = []
+        entries: list[dict] | None = [] if p.want_logprobs else None
+        done = False
+        try:
+            while True:
+                d = await self._next(q)
+                if d is None:  # client gone: nobody reads the answer
+                    return Response(status_code=499)
+                if d.error:
+                    done = True
+                    raise APIError(500, d.error, type="server_error")
+                text.append(d.text)
+                if entries is not None and d.logprobs:
+                    entries.extend(d.logprobs)
+                if d.final:
+                    done = True
+                    break
+        finally:
+            if not done:
+                self.async_engine.abort(rid)
+        body = self._response(p, rid, "".join(text), entries, d.finish_reason, d.usage.to_dict())
+        return JSONResponse(body, headers=headers)
+
+    def _response(self, p: ParsedRequest, rid: str, text: str, entries, finish: str,
+                  usage: dict) -> dict:
+        if p.kind == "chat":
+            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                      "logprobs": _chat_logprobs(entries), "finish_reason": finish}
+            obj = "chat.completion"
+        else:
+            choice = {"index": 0, "text": text,
+                      "logprobs": _completion_logprobs(entries, 0)[0], "finish_reason": finish}
+            obj = "text_completion"
+        return {"id": rid, "object": obj, "created": int(time.time()), "model": self.model_name,
+                "choices": [choice], "usage": usage}
+
+    async def _stream(self, sub: Submission, q: asyncio.Queue,
+                      watcher: asyncio.Task) -> AsyncIterator[str]:
+        p, rid = sub.parsed, sub.request_id
+        chat = p.kind == "chat"
+        created = int(time.time())
+        head = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": created, "model": self.model_name}
+        offset = 0
+        done = False
+
+        def chunk(text: str, entries, finish: str | None, role: bool = False) -> dict:
+            nonlocal offset
+            if chat:
+                delta = {"role": "assistant", "content": text} if role else (
+                    {"content": text} if text or not finish else {})
+                choice = {"index": 0, "delta": delta, "logprobs": _chat_logprobs(entries),
+                          "finish_reason": finish}
+            else:
+                lp, offset = _completion_logprobs(entries, offset)
+                choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}
+            return {**head, "choices": [choice]}
+
+        try:
+            if chat:
+                yield _sse(chunk("", None, None, role=True))
+            while True:
+                d = await self._next(q)
+                if d is None:
+                    return
+                if d.error:
+                    done = True
+                    err = APIError(500, d.error, type="server_error")
+                    yield _sse(err.body())
+                    yield "data: [DONE]\n\n"
+                    return
+                entries = d.logprobs if p.want_logprobs else None
+                if not d.final:
+                    yield _sse(chunk(d.text, entries, None))
+                    continue
+                done = True
+                usage = d.usage.to_dict()
+                yield _sse({**chunk(d.text, entries, d.finish_reason), "usage": usage})
+                if p.include_usage:
+                    yield _sse({**head, "choices": [], "usage": usage})
+                yield "data: [DONE]\n\n"
+                return
+        finally:
+            watcher.cancel()
+            if not done:
+                self.async_engine.abort(rid)
+
+    # ------------------------------------------------------------------ other endpoints
+    async def explain(self, request: Request) -> Response:
+        body = parse_json_body(await request.body())
+        kind = "chat" if "messages" in body else "completion"
+        if kind == "completion" and "prompt" not in body:
+            raise APIError(400, "give 'messages' (chat) or 'prompt' (completion)", param="prompt")
+        parsed = parse_request(body, kind)
+        self._check_model(parsed.model)
+        out = await self.async_engine.call(lambda: self.async_engine.explain(parsed))
+        return JSONResponse({**out, "model": self.model_name})
+
+    async def metrics(self) -> Response:
+        stats, m = await self.async_engine.call(self.async_engine.snapshot)
+        return Response(render(stats, m, self.model_name),
+                        media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    def models(self) -> dict:
+        return {"object": "list", "data": [self._model_card()]}
+
+    def _model_card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": self.created,
+                "owned_by": "deepinfer", "max_model_len": self.engine.max_model_len}
+
+    # ------------------------------------------------------------------ app
+    def build_app(self) -> FastAPI:
+        @contextlib.asynccontextmanager
+        async def lifespan(app: FastAPI):
+            self.async_engine.start(asyncio.get_running_loop())
+            yield
+            # uvicorn has already waited for open connections (up to its graceful timeout)
+            await asyncio.to_thread(self.async_engine.shutdown, self.config.shutdown_timeout_s)
+
+        app = FastAPI(title="DeepInfer", lifespan=lifespan, docs_url=None, redoc_url=None,
+                      openapi_url=None)
+        app.state.server = self
+
+        @app.exception_handler(APIError)
+        async def api_error(_: Request, e: APIError) -> JSONResponse:
+            return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+        @app.exception_handler(StarletteHTTPException)
+        async def http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+            err = APIError(e.status_code, str(e.detail),
+                           type="not_found_error" if e.status_code == 404 else
+                           "invalid_request_error")
+            return JSONResponse(err.body(), status_code=e.status_code, headers=e.headers)
+
+        @app.exception_handler(Exception)
+        async def internal_error(_: Request, e: Exception) -> JSONResponse:
+            log.exception("unhandled error")
+            err = APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error")
+            return JSONResponse(err.body(), status_code=500)
+
+        @app.get("/health")
+        async def health() -> Response:
+            if not self.async_engine.alive:
+                return JSONResponse({"status": "engine stopped"}, status_code=503)
+            return JSONResponse({"status": "ok"})
+
+        @app.get("/v1/models")
+        async def models() -> dict:
+            return self.models()
+
+        @app.get("/v1/models/{model_id:path}")
+        async def model(model_id: str) -> dict:
+            self._check_model(model_id)
+            return self._model_card()
+
+        @app.post("/v1/chat/completions")
+        async def chat_completions(request: Request) -> Response:
+            return await self.completion(request, "chat")
+
+        @app.post("/v1/completions")
+        async def completions(request: Request) -> Response:
+            return await self.completion(request, "completion")
+
+        if self.config.enable_cache_explain:
+            @app.post("/v1/cache/explain")
+            async def cache_explain(request: Request) -> Response:
+                return await self.explain(request)
+
+        @app.get("/metrics")
+        async def metrics() -> Response:
+            return await self.metrics()
+
+        if self.config.api_key:
+            app.add_middleware(BearerAuth, api_key=self.config.api_key)
+        return app
+
+
+def create_app(engine: LLMEngine, config: ServerConfig | None = None) -> FastAPI:
+    return Server(engine, config).build_app()
+
+
+# ---------------------------------------------------------------------- running
+def _uvicorn_config(app: FastAPI, config: ServerConfig):
+    import uvicorn
+
+    return uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
+                          lifespan="on", timeout_graceful_shutdown=config.shutdown_timeout_s)
+
+
+def run_server(engine_config, config: ServerConfig) -> int:
+    """Build the engine and serve until SIGINT/SIGTERM (then drain and stop)."""
+    import uvicorn
+
+    logging.basicConfig(level=config.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    engine = LLMEngine(engine_config)
+    app = create_app(engine, config)
+    log.info("serving %s on http://%s:%d (max_model_len %d)", app.state.server.model_name,
+             config.host, config.port, engine.max_model_len)
+    try:
+        uvicorn.Server(_uvicorn_config(app, config)).run()
+    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown
+        pass
+    return 0
+
+
+class BackgroundServer:
+    """A server on a loopback port in a background thread (tests, benchmarks, notebooks)."""
+
+    def __init__(self, engine: LLMEngine, config: ServerConfig | None = None) -> None:
+        import uvicorn
+
+        config = config or ServerConfig(port=0, log_level="warning")
+        self.app = create_app(engine, config)
+        self.server_obj: Server = self.app.state.server
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.bind((config.host, config.port))
+        self.host, self.port = self._sock.getsockname()[:2]
+        self._uvicorn = uvicorn.Server(_uvicorn_config(self.app, config))
+        self._thread = threading.Thread(target=self._uvicorn.run, kwargs={"sockets": [self._sock]},
+                                        name="deepinfer-http", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def async_engine(self) -> AsyncEngine:
+        return self.server_obj.async_engine
+
+    def start(self, timeout: float = 60.0) -> BackgroundServer:
+        self._thread.start()
+        t0 = time.monotonic()
+        while not self._uvicorn.started:
+            if not self._thread.is_alive() or time.monotonic() - t0 > timeout:
+                raise RuntimeError("the server did not start")
+            time.sleep(0.02)
+        return self
+
+    def stop(self, timeout: float = 60.0) -> None:
+        self._uvicorn.should_exit = True
+        self._thread.join(timeout)
+
+    def __enter__(self) -> BackgroundServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,514 @@
+"""The engine on its own thread, fed by the HTTP event loop.
+
+``LLMEngine`` is synchronous and not thread-safe, so exactly one thread (``deepinfer-engine``)
+touches it — and the tokenizer, the prompt builder and the server's counters. That thread
+loops: run the commands queued by the HTTP side (add, abort, explain, stats snapshot), then
+``engine.step()`` while there is work, then hand each request's new tokens and text to the
+event loop with ``loop.call_soon_threadsafe`` into that request's ``asyncio.Queue``. When the
+engine is idle the thread blocks on its command queue. The event loop never waits for a
+step, and a step never waits for the event loop.
+
+Back-pressure: at most ``max_num_seqs`` requests run; up to ``max_queue`` more wait. A request
+beyond that raises ``QueueFull`` (answered 429 with ``Retry-After``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..engine import LLMEngine
+from ..errors import RequestError
+from ..kv.explain import explain_prefix
+from ..kv.radix import DEVICE
+from ..request import Request
+from .config import ServerConfig
+from .detokenize import TextStream
+from .metrics import ServerMetrics
+from .prompts import BuiltPrompt, PromptBuilder
+from .protocol import APIError, ParsedRequest
+
+log = logging.getLogger("deepinfer.server")
+
+_MAX_SALTS = 256  # salts remembered for the explainer's "cached under another salt" probe
+_CONTEXT_TOKENS = 16  # decoded context each side of where cache matching stops
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        hit = self.cached_tokens
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_cache_hit_tokens": hit,  # DeepSeek
+            "prompt_cache_miss_tokens": self.prompt_tokens - hit,
+            "prompt_tokens_details": {"cached_tokens": hit,  # OpenAI
+                                      "cached_tokens_by_tier": dict(self.cached_tokens_by_tier)},
+        }
+
+
+@dataclass
+class Delta:
+    """New output of one request since the last delta (posted to its asyncio queue)."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict] | None = None  # {"id", "token", "logprob", "top": [(id, token, lp)]}
+    finish_reason: str | None = None
+    usage: Usage | None = None
+    error: str | None = None
+
+    @property
+    def final(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+
+@dataclass
+class Admitted:
+    request_id: str
+    prompt: BuiltPrompt
+    num_prompt_tokens: int
+
+
+@dataclass
+class Submission:
+    request_id: str
+    parsed: ParsedRequest
+    arrival: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class _Live:
+    sub: Submission
+    req: Request
+    queue: asyncio.Queue
+    stream: TextStream
+    prompt: BuiltPrompt
+    num_sent_ids: int = 0
+
+
+def _deliver(batch: list[tuple[asyncio.Queue, Delta]]) -> None:
+    for q, d in batch:
+        q.put_nowait(d)
+
+
+def merge_deltas(a: Delta, b: Delta) -> Delta:
+    """One delta for two consecutive ones (a slow reader gets fewer, larger chunks)."""
+    lps = None if a.logprobs is None and b.logprobs is None else \
+        (a.logprobs or []) + (b.logprobs or [])
+    return Delta(a.text + b.text, a.token_ids + b.token_ids, lps, b.finish_reason, b.usage,
+                 b.error)
+
+
+class QueueFull(APIError):
+    def __init__(self, retry_after: int, limit: int) -> None:
+        super().__init__(429, f"the server is at capacity ({limit} requests running or queued); "
+                              f"retry after {retry_after}s", type="rate_limit_exceeded",
+                         code="queue_full", headers={"Retry-After": str(retry_after)})
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, config: ServerConfig | None = None) -> None:
+        self.engine = engine
+        self.config = config or ServerConfig()
+        self.tokenizer = engine.tokenizer
+        self.builder = PromptBuilder(engine.tokenizer, engine.eos_token_ids,
+                                     self.config.reply_cache_tokens)
+        self.metrics = ServerMetrics()
+        self.capacity = engine.config.max_num_seqs + self.config.max_queue
+        self._cmds: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._live: dict[str, _Live] = {}
+        self._outbox: list[tuple[asyncio.Queue, Delta]] = []
+        self._recent_pages: OrderedDict[bytes, None] = OrderedDict()
+        self._salts: OrderedDict[str | None, None] = OrderedDict({None: None})
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._accepting = True
+        self._draining = False
+        self._stop_now = False
+        self.fatal: BaseException | None = None
+
+    # ================================================================== event-loop side
+    def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        self._loop = loop or asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="deepinfer-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def _put(self, cmd: Callable[[], None]) -> None:
+        if not self.alive:
+            raise APIError(503, "the engine is not running", type="server_error",
+                           code="engine_stopped")
+        self._cmds.put(cmd)
+
+    async def submit(self, sub: Submission) -> tuple[Admitted, asyncio.Queue]:
+        """Queue a request on the engine; raises APIError (400/429/503) if it is refused."""
+        q: asyncio.Queue = asyncio.Queue()
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._put(lambda: self._add(sub, q, fut))
+        try:
+            admitted = await asyncio.wrap_future(fut)
+        except asyncio.CancelledError:
+            self.abort(sub.request_id)
+            raise
+        return admitted, q
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (client gone); its pages go back. Safe from any thread."""
+        if self.alive:
+            self._cmds.put(lambda: self._abort(request_id))
+
+    async def call(self, fn: Callable[[], Any]) -> Any:
+        """Run ``fn()`` on the engine thread (between steps) and return its result."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._put(lambda: self._run_call(fn, fut))
+        return await asyncio.wrap_future(fut)
+
+    def call_sync(self, fn: Callable[[], Any], timeout: float | None = 60.0) -> Any:
+        """``call`` for code outside the event loop (tests, the CLI)."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._put(lambda: self._run_call(fn, fut))
+        return fut.result(timeout)
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop taking requests, let running ones finish (up to ``timeout``), flush, stop.
+
+        Blocking; call it from a worker thread, not the event loop.
+        """
+        if not self.alive:
+            return
+
+        def drain() -> None:
+            self._accepting = False
+            self._draining = True
+
+        self._cmds.put(drain)
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            log.warning("shutdown: %d requests still running after %.0fs; aborting them",
+                        len(self._live), timeout)
+
+            def stop() -> None:
+                self._fail_all("the server is shutting down")
+                self._send_outbox()
+                self._stop_now = True
+
+            self._cmds.put(stop)
+            self._thread.join(30.0)
+
+    # ================================================================== engine thread
+    def _run(self) -> None:
+        eng = self.engine
+        try:
+            while True:
+                cmds = []
+                if not eng.has_unfinished():
+                    if self._draining or self._stop_now:
+                        break
+                    cmds.append(self._cmds.get())
+                while True:
+                    try:
+                        cmds.append(self._cmds.get_nowait())
+                    except queue.Empty:
+                        break
+                for cmd in cmds:
+                    cmd()
+                if self._stop_now:
+                    break
+                if eng.has_unfinished():
+                    self._step()
+                self._send_outbox()
+        except BaseException as e:  # a bug in this loop: fail everyone rather than hang them
+            log.exception("engine thread died")
+            self.fatal = e
+            self._fail_all(f"engine thread died: {e}")
+            self._send_outbox()
+            return
+        finally:
+            self._accepting = False
+        self._run_leftovers()
+        self._flush()
+
+    def _run_leftovers(self) -> None:
+        """Answer commands queued while the loop was ending (adds are refused with 503)."""
+        while True:
+            try:
+                cmd = self._cmds.get_nowait()
+            except queue.Empty:
+                break
+            try:
+                cmd()
+            except Exception:  # noqa: BLE001 - shutting down
+                log.exception("command after shutdown failed")
+        self._send_outbox()
+
+    def _flush(self) -> None:
+        """Let the cache tiers land what they hold: ``engine.shutdown()`` (waits for queued
+        L2/L3 writes, stops the tier threads) where the engine has one, else a ``flush()``
+        of the engine or of its cache manager."""
+        eng = self.engine
+        for obj, name in ((eng, "shutdown"), (eng, "flush"), (getattr(eng, "kv", None), "flush")):
+            fn = getattr(obj, name, None)
+            if callable(fn):
+                try:
+                    fn()
+                except Exception:  # noqa: BLE001 - shutting down: report, don't raise
+                    log.exception("flushing caches failed")
+                return
+
+    def _run_call(self, fn: Callable[[], Any], fut: concurrent.futures.Future) -> None:
+        if not fut.set_running_or_notify_cancel():
+            return
+        try:
+            fut.set_result(fn())
+        except BaseException as e:  # noqa: BLE001 - handed to the caller
+            fut.set_exception(e)
+
+    def _post(self, live: _Live, delta: Delta) -> None:
+        self._outbox.append((live.queue, delta))
+
+    def _send_outbox(self) -> None:
+        """Hand this round's deltas to the event loop: one wake-up for all of them."""
+        if not self._outbox:
+            return
+        batch, self._outbox = self._outbox, []
+        try:
+            self._loop.call_soon_threadsafe(_deliver, batch)
+        except RuntimeError:  # event loop closed: nobody is listening any more
+            pass
+
+    # ------------------------------------------------------------------ commands
+    def _build(self, p: ParsedRequest) -> BuiltPrompt:
+        if p.kind == "chat":
+            try:
+                return self.builder.chat(p.messages, p.cache_salt)
+            except RequestError:
+                raise
+            except Exception as e:  # template errors (e.g. a role the template rejects)
+                raise APIError(400, f"messages: the chat template failed: {e}",
+                               param="messages") from None
+        return self.builder.completion(p.prompt)
+
+    def _add(self, sub: Submission, q: asyncio.Queue, fut: concurrent.futures.Future) -> None:
+        if not fut.set_running_or_notify_cancel():
+            return  # the client left before we got to it
+        eng, p = self.engine, sub.parsed
+        try:
+            if not self._accepting:
+                raise APIError(503, "the server is shutting down", type="server_error",
+                               code="shutting_down")
+            if len(eng.requests) >= self.capacity:
+                self.metrics.rejected_queue_full += 1
+                raise QueueFull(self.config.retry_after_s, self.capacity)
+            built = self._build(p)
+            params = p.params
+            if p.max_tokens is None:  # the rest of the context
+                params.max_tokens = max(1, eng.max_model_len - len(built.token_ids))
+            req = eng.add_request(built.token_ids, params, sub.request_id, p.cache_salt)
+        except RequestError as e:
+            fut.set_exception(APIError.from_request_error(
+                e, {"prompt": p.prompt_field, "max_tokens": p.max_tokens_field}))
+            return
+        except APIError as e:
+            fut.set_exception(e)
+            return
+        except Exception as e:  # noqa: BLE001 - a bad request must not kill the thread
+            log.exception("add_request failed")
+            fut.set_exception(APIError(500, f"internal error: {e}", type="server_error"))
+            return
+        self._salts[p.cache_salt] = None
+        self._salts.move_to_end(p.cache_salt)
+        while len(self._salts) > _MAX_SALTS:
+            self._salts.popitem(last=False)
+        m = self.metrics
+        m.prompt_encodings[built.encoding] = m.prompt_encodings.get(built.encoding, 0) + 1
+        m.history_rewrites += built.history_rewritten
+        self._live[sub.request_id] = _Live(sub, req, q, TextStream(
+            self.tokenizer, built.token_ids, params.stop), built)
+        fut.set_result(Admitted(sub.request_id, built, len(built.token_ids)))
+
+    def _abort(self, request_id: str) -> None:
+        live = self._live.pop(request_id, None)
+        if live is None:
+            return
+        req = live.req
+        computed = req.num_computed_tokens  # before abort() releases the request
+        self.engine.abort(request_id)
+        self.metrics.aborted += 1
+        self._account(live, "abort", computed)
+
+    def _fail_all(self, message: str) -> None:
+        for rid, live in list(self._live.items()):
+            try:
+                self.engine.abort(rid)
+            except Exception:  # noqa: BLE001 - the engine may be in a bad state already
+                log.exception("abort after engine error failed")
+            self._post(live, Delta(error=message))
+        self._live.clear()
+
+    # ------------------------------------------------------------------ stepping
+    def _step(self) -> None:
+        eng = self.engine
+        try:
+            sampled = eng.step()
+        except Exception as e:  # noqa: BLE001 - fail the batch, keep serving
+            log.exception("engine step failed")
+            self.metrics.engine_errors += 1
+            self._fail_all(f"engine error: {type(e).__name__}: {e}")
+            return
+        if not sampled and not eng.scheduler.running:
+            # Work is queued but nothing could be scheduled (should not happen: every
+            # accepted request fits the pool). Wait for a command instead of spinning.
+            try:
+                self._cmds.get(timeout=0.01)()
+            except queue.Empty:
+                pass
+            return
+        for req in sampled:
+            live = self._live.get(req.request_id)
+            if live is not None:
+                self._publish(live, req)
+
+    def _publish(self, live: _Live, req: Request) -> None:
+        start, end = live.num_sent_ids, len(req.output_token_ids)
+        new = req.output_token_ids[start:end]
+        live.num_sent_ids = end
+        lps = self._logprobs(req, start, end) if live.sub.parsed.want_logprobs else None
+        if not req.is_finished:
+            text = live.stream.push(new)
+            if text or lps:
+                self._post(live, Delta(text, new, lps))
+            return
+        # The final text is authoritative (cut before a stop string): send what is missing.
+        out = self.engine.make_output(req)
+        text = live.stream.finish(out.text)
+        del self._live[req.request_id]
+        usage = self._account(live, req.finish_reason, len(req.prompt_token_ids) + end - 1)
+        if live.sub.parsed.kind == "chat" and live.prompt.key_state is not None:
+            self.builder.remember(live.prompt.key_state, req.prompt_token_ids,
+                                  list(req.output_token_ids), out.text)
+        self._post(live, Delta(text, new, lps, req.finish_reason, usage))
+
+    def _account(self, live: _Live, reason: str, computed_tokens: int) -> Usage:
+        """Usage of an ended request, and the server's counters."""
+        req, m = live.req, self.metrics
+        n_prompt = req.num_prompt_tokens
+        hit = min(req.num_cached_tokens or 0, n_prompt)
+        usage = Usage(n_prompt, len(req.output_token_ids), hit,
+                      {k: v for k, v in req.cached_tokens_by_tier.items() if v})
+        m.finished[reason] = m.finished.get(reason, 0) + 1
+        m.prompt_tokens += n_prompt
+        m.generation_tokens += usage.completion_tokens
+        for t, v in req.cached_tokens_by_tier.items():
+            m.cached_by_tier[t] = m.cached_by_tier.get(t, 0) + v
+        now = time.monotonic()
+        arrival = live.sub.arrival
+        if req.first_token_time is not None:
+            m.ttft.observe(req.first_token_time - arrival)
+            n = len(req.output_token_ids)
+            if n > 1:
+                m.tpot.observe(((req.finish_time or now) - req.first_token_time) / (n - 1))
+        if reason != "abort":
+            m.e2e.observe(now - arrival)
+        self._remember_pages(req, computed_tokens)
+        return usage
+
+    def _remember_pages(self, req: Request, computed_tokens: int) -> None:
+        """Note the page hashes this request cached, to tell 'evicted' from 'never cached'."""
+        if self.engine.kv.tree is None or self.config.recent_pages <= 0:
+            return
+        n = min(len(req.page_hashes), max(0, computed_tokens) // self.engine.kv.page_size)
+        rp = self._recent_pages
+        for h in req.page_hashes[:n]:
+            rp[h] = None
+            rp.move_to_end(h)
+        while len(rp) > self.config.recent_pages:
+            rp.popitem(last=False)
+
+    def _logprobs(self, req: Request, start: int, end: int) -> list[dict]:
+        dec = self.tokenizer.decode
+        out = []
+        for i in range(start, min(end, len(req.logprobs))):
+            tid = req.output_token_ids[i]
+            tops = req.top_logprobs[i] if i < len(req.top_logprobs) else []
+            out.append({"id": tid, "token": dec([tid]), "logprob": float(req.logprobs[i]),
+                        "top": [(t, dec([t]), float(lp)) for t, lp in (tops or [])]})
+        return out
+
+    # ------------------------------------------------------------------ snapshots
+    def snapshot(self) -> tuple[dict, ServerMetrics]:
+        """(engine stats, server counters); run on the engine thread via ``call``."""
+        return self.engine.stats(), self.metrics.copy()
+
+    def kv_snapshot(self) -> dict:
+        """Page accounting, to check that ended requests gave their pages back."""
+        kv = self.engine.kv
+        cached = kv.tree.evictable_pages(DEVICE) if kv.tree is not None else 0
+        return {"free_pages": kv.num_free_pages, "evictable_cached_pages": cached,
+                "total_pages": self.engine.runner.pool.allocator.num_pages,
+                "live_requests": len(self._live), "engine_requests": len(self.engine.requests)}
+
+    def explain(self, p: ParsedRequest) -> dict:
+        """Body of POST /v1/cache/explain; run on the engine thread via ``call``."""
+        built = self._build(p)
+        ids = built.token_ids
+        kv = self.engine.kv
+        ex = explain_prefix(kv, ids, p.cache_salt, other_salts=list(self._salts),
+                            recently_cached=self._recent_pages, context=_CONTEXT_TOKENS)
+        dec = lambda a: self.tokenizer.decode(a, skip_special_tokens=False)  # noqa: E731
+        c = _CONTEXT_TOKENS
+        stop: dict[str, Any] = {"reason": ex.reason, "detail": ex.detail,
+                                "position": ex.hit_tokens}
+        if ex.reason == "diverged":
+            d = ex.diverge_at
+            off = d - ex.matched_tokens
+            cached = ex.cached_tokens or []
+            stop["diverge_at"] = d
+            stop["request_token"] = {"id": ids[d], "text": dec([ids[d]])} if d < len(ids) else None
+            stop["cached_token"] = ({"id": cached[off], "text": dec([cached[off]])}
+                                    if off < len(cached) else None)
+            stop["context"] = {"before": dec(ids[max(0, d - c):d]),
+                               "request_after": dec(ids[d:d + c]),
+                               "cached_after": dec(cached[off:off + c])}
+        elif ex.reason in ("evicted", "salt", "not_cached"):
+            d = ex.matched_tokens
+            stop["context"] = {"before": dec(ids[max(0, d - c):d]),
+                               "request_after": dec(ids[d:d + c])}
+            if ex.reason == "salt":
+                stop["other_salt_tokens"] = ex.other_salt_tokens
+        stats = self.engine.stats()
+        return {
+            "object": "cache.explanation",
+            "prompt_tokens": len(ids),
+            "page_size": ex.page_size,
+            "cache_salt": p.cache_salt,
+            "prompt_cache_hit_tokens": ex.hit_tokens,
+            "prompt_cache_miss_tokens": len(ids) - ex.hit_tokens,
+            "cached_tokens_by_tier": ex.hit_tokens_by_tier,
+            "matched_tokens": ex.matched_tokens,
+            "spans": [{"start": s.start, "end": s.end, "tokens": s.end - s.start, "tier": s.tier}
+                      for s in ex.spans],
+            "stop": stop,
+            "prompt_encoding": {"encoding": built.encoding,
+                                "history_rewritten": built.history_rewritten,
+                                "reused_tokens": built.reused_tokens},
+            "evicted_pages_total": stats.get("evicted_pages"),
+        }

@@ -1,0 +1,61 @@
+"""Server options (apart from the engine's): address, auth, back-pressure, names.
+
+Kept free of FastAPI/uvicorn imports so the CLI can build its parser cheaply.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass
+
+
+@dataclass
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None  # Bearer token required on every endpoint but /health
+    served_model_name: str | None = None  # default: the checkpoint's name
+    # Back-pressure: at most ``max_num_seqs`` requests run and ``max_queue`` more wait; a request
+    # beyond that is answered 429 with Retry-After instead of being queued without bound.
+    max_queue: int = 256
+    retry_after_s: int = 1
+    # Chat prompts reuse the generated token ids of recent replies (prefix-stable encoding);
+    # this bounds the tokens kept for that (prompt + reply ids of recent responses).
+    reply_cache_tokens: int = 4_000_000
+    # Page hashes of recently finished requests, to tell "evicted" from "never cached".
+    recent_pages: int = 65_536
+    enable_cache_explain: bool = True  # POST /v1/cache/explain
+    shutdown_timeout_s: float = 30.0  # graceful shutdown: wait this long for requests to drain
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if self.max_queue < 0:
+            raise ValueError("max_queue must be >= 0")
+        if not (0 <= self.port < 65536):
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+
+
+def add_server_args(p: argparse.ArgumentParser) -> None:
+    d = ServerConfig()
+    p.add_argument("--host", default=d.host, help="address to listen on (default: loopback only)")
+    p.add_argument("--port", type=int, default=d.port)
+    p.add_argument("--api-key", default=os.environ.get("DEEPINFER_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on every endpoint except /health "
+                        "(default: $DEEPINFER_API_KEY, else no auth)")
+    p.add_argument("--served-model-name", default=None,
+                   help="model name shown by /v1/models and accepted in requests")
+    p.add_argument("--max-queue", type=int, default=d.max_queue,
+                   help="requests allowed to wait beyond --max-num-seqs running ones; more get 429")
+    p.add_argument("--no-cache-explain", action="store_true",
+                   help="disable POST /v1/cache/explain (it reveals what other requests cached)")
+    p.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout_s,
+                   help="seconds to let running requests finish on shutdown")
+    p.add_argument("--log-level", default=d.log_level)
+
+
+def server_config(args: argparse.Namespace) -> ServerConfig:
+    return ServerConfig(host=args.host, port=args.port, api_key=args.api_key or None,
+                        served_model_name=args.served_model_name, max_queue=args.max_queue,
+                        enable_cache_explain=not args.no_cache_explain,
+                        shutdown_timeout_s=args.shutdown_timeout, log_level=args.log_level)

@@ -1,0 +1,309 @@
+"""Request parsing and validation for the OpenAI/DeepSeek-compatible endpoints.
+
+Requests are checked field by field by hand (not by a schema library) so every error names
+the offending field, OpenAI style::
+
+    {"error": {"message": "max_tokens: must be an integer >= 1, got -3",
+               "type": "invalid_request_error", "param": "max_tokens", "code": null}}
+
+Unknown fields are ignored, as vLLM does. Fields we cannot honour (``n`` > 1, penalties,
+``logit_bias``, tools, JSON mode, ``echo``, ``suffix``, ``best_of`` > 1) are rejected with 400
+rather than silently ignored.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import RequestError
+from ..sampling_params import SamplingParams
+
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (chat: the rest)
+
+
+class APIError(Exception):
+    """An error answered with an OpenAI-style body."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+    @classmethod
+    def from_request_error(cls, e: RequestError, rename: dict[str, str] | None = None) -> APIError:
+        name = (rename or {}).get(e.field, e.field)
+        return cls(e.status, f"{name}: {e.message}", param=name)
+
+
+def bad(param: str | None, message: str) -> APIError:
+    return APIError(400, f"{param}: {message}" if param else message, param=param)
+
+
+def parse_json_body(raw: bytes) -> dict:
+    if not raw.strip():
+        raise bad(None, "the request body is empty; expected a JSON object")
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise bad(None, f"the request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise bad(None, f"the request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+# ---------------------------------------------------------------------- field readers
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_num(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def get_int(body: dict, name: str, default: int | None = None, lo: int | None = None,
+            hi: int | None = None) -> int | None:
+    v = body.get(name)
+    if v is None:
+        return default
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)
+    if not _is_int(v):
+        raise bad(name, f"must be an integer, got {json.dumps(v)}")
+    if lo is not None and v < lo:
+        raise bad(name, f"must be >= {lo}, got {v}")
+    if hi is not None and v > hi:
+        raise bad(name, f"must be <= {hi}, got {v}")
+    return v
+
+
+def get_num(body: dict, name: str, default: float | None = None, lo: float | None = None,
+            hi: float | None = None) -> float | None:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not _is_num(v):
+        raise bad(name, f"must be a number, got {json.dumps(v)}")
+    if lo is not None and v < lo:
+        raise bad(name, f"must be >= {lo}, got {v}")
+    if hi is not None and v > hi:
+        raise bad(name, f"must be <= {hi}, got {v}")
+    return float(v)
+
+
+def get_bool(body: dict, name: str, default: bool = False) -> bool:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise bad(name, f"must be a boolean, got {json.dumps(v)}")
+    return v
+
+
+def get_str(body: dict, name: str, default: str | None = None,
+            nonempty: bool = False) -> str | None:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not isinstance(v, str):
+        raise bad(name, f"must be a string, got {json.dumps(v)[:80]}")
+    if nonempty and not v:
+        raise bad(name, "must not be empty")
+    return v
+
+
+def get_stop(body: dict) -> list[str]:
+    v = body.get("stop")
+    if v is None:
+        return []
+    if isinstance(v, str):
+        v = [v]
+    if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
+        raise bad("stop", "must be a string or an array of strings")
+    if any(not s for s in v):
+        raise bad("stop", "stop strings must not be empty")
+    return v
+
+
+def _reject_unsupported(body: dict, chat: bool) -> None:
+    for name in ("presence_penalty", "frequency_penalty"):
+        v = get_num(body, name, 0.0, -2.0, 2.0)
+        if v:
+            raise bad(name, "is not supported (only 0)")
+    if body.get("repetition_penalty") not in (None, 1, 1.0):
+        raise bad("repetition_penalty", "is not supported (only 1)")
+    if body.get("logit_bias"):
+        raise bad("logit_bias", "is not supported")
+    rf = body.get("response_format")
+    if rf is not None:
+        if not isinstance(rf, dict) or rf.get("type") not in ("text", None):
+            raise bad("response_format", "only {\"type\": \"text\"} is supported")
+    if chat:
+        if body.get("tools"):
+            raise bad("tools", "tool calling is not supported")
+        if body.get("functions"):
+            raise bad("functions", "function calling is not supported")
+    else:
+        if get_bool(body, "echo"):
+            raise bad("echo", "is not supported")
+        if body.get("suffix") not in (None, ""):
+            raise bad("suffix", "is not supported")
+        if get_int(body, "best_of", 1, lo=1) != 1:
+            raise bad("best_of", "only best_of=1 is supported")
+
+
+# ---------------------------------------------------------------------- messages
+def normalize_messages(v: Any) -> list[dict]:
+    """Check chat messages and reduce each to ``{"role", "content"}`` with text content."""
+    if not isinstance(v, list):
+        raise bad("messages", "must be an array of message objects")
+    if not v:
+        raise bad("messages", "must contain at least one message")
+    out = []
+    for i, m in enumerate(v):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise bad(where, "must be an object with 'role' and 'content'")
+        role = m.get("role")
+        if not isinstance(role, str) or not role:
+            raise bad(f"{where}.role", "must be a non-empty string")
+        content = m.get("content")
+        if content is None:
+            if role != "assistant":
+                raise bad(f"{where}.content", "is required")
+            content = ""
+        elif isinstance(content, list):
+            parts = []
+            for j, part in enumerate(content):
+                if not isinstance(part, dict) or part.get("type") != "text" \
+                        or not isinstance(part.get("text"), str):
+                    raise bad(f"{where}.content[{j}]", "only text parts ({\"type\": \"text\", "
+                              "\"text\": ...}) are supported")
+                parts.append(part["text"])
+            content = "".join(parts)
+        elif not isinstance(content, str):
+            raise bad(f"{where}.content", "must be a string or an array of text parts")
+        out.append({"role": role, "content": content})
+    return out
+
+
+# ---------------------------------------------------------------------- requests
+@dataclass
+class ParsedRequest:
+    kind: str  # "chat" | "completion"
+    model: str | None
+    params: SamplingParams  # max_tokens is a placeholder when ``max_tokens`` is None
+    max_tokens: int | None  # None (chat only): the rest of the context
+    max_tokens_field: str
+    messages: list[dict] | None = None
+    prompt: str | list[int] | None = None
+    stream: bool = False
+    include_usage: bool = False
+    cache_salt: str | None = None
+    user: str | None = None
+    want_logprobs: bool = False  # chat: logprobs=true; completion: logprobs=k given
+
+    @property
+    def prompt_field(self) -> str:
+        return "messages" if self.kind == "chat" else "prompt"
+
+
+def parse_prompt(v: Any) -> str | list[int]:
+    if isinstance(v, list) and len(v) == 1 and isinstance(v[0], (str, list)):
+        v = v[0]  # a batch of one
+    if isinstance(v, str):
+        if not v:
+            raise bad("prompt", "must not be empty")
+        return v
+    if isinstance(v, list):
+        if not v:
+            raise bad("prompt", "must not be empty")
+        if all(_is_int(t) for t in v):
+            return list(v)
+        if all(isinstance(t, (str, list)) for t in v):
+            raise bad("prompt", "batched prompts are not supported; send one prompt per request")
+        raise bad("prompt", "must be a string or an array of integer token ids")
+    if v is None:
+        raise bad("prompt", "is required")
+    raise bad("prompt", "must be a string or an array of integer token ids")
+
+
+def parse_request(body: dict, kind: str) -> ParsedRequest:
+    chat = kind == "chat"
+    model = get_str(body, "model")
+    if chat:
+        messages = normalize_messages(body.get("messages"))
+        prompt = None
+    else:
+        messages = None
+        prompt = parse_prompt(body.get("prompt"))
+    n = get_int(body, "n", 1, lo=1)
+    if n != 1:
+        raise bad("n", f"only n=1 is supported, got {n}")
+    _reject_unsupported(body, chat)
+
+    max_tokens = get_int(body, "max_tokens")
+    mt_field = "max_tokens"
+    if chat and body.get("max_completion_tokens") is not None:
+        max_tokens = get_int(body, "max_completion_tokens")
+        mt_field = "max_completion_tokens"
+    if max_tokens is not None and max_tokens < 1:
+        raise bad(mt_field, f"must be an integer >= 1, got {max_tokens}")
+    if max_tokens is None and not chat:
+        max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
+
+    if chat:
+        want = get_bool(body, "logprobs")
+        top = get_int(body, "top_logprobs", None, lo=0, hi=20)
+        if top is not None and top > 0 and not want:
+            raise bad("top_logprobs", "requires logprobs to be true")
+        logprobs = (top or 0) if want else None
+    else:
+        logprobs = get_int(body, "logprobs", None, lo=0, hi=20)
+        want = logprobs is not None
+    stop_ids = body.get("stop_token_ids") or []
+    if not isinstance(stop_ids, list) or not all(_is_int(t) and t >= 0 for t in stop_ids):
+        raise bad("stop_token_ids", "must be an array of non-negative integers")
+    params_kw = dict(
+        max_tokens=max_tokens or 1,
+        temperature=get_num(body, "temperature", 1.0),
+        top_p=get_num(body, "top_p", 1.0),
+        top_k=get_int(body, "top_k", 0),
+        min_p=get_num(body, "min_p", 0.0),
+        seed=get_int(body, "seed"),
+        stop=get_stop(body),
+        stop_token_ids=list(stop_ids),
+        ignore_eos=get_bool(body, "ignore_eos"),
+        logprobs=logprobs,
+    )
+    try:
+        params = SamplingParams(**params_kw)
+    except RequestError as e:
+        raise APIError.from_request_error(e, {"max_tokens": mt_field, "logprobs": (
+            "top_logprobs" if chat else "logprobs")}) from None
+    stream = get_bool(body, "stream")
+    so = body.get("stream_options")
+    include_usage = False
+    if so is not None:
+        if not isinstance(so, dict):
+            raise bad("stream_options", "must be an object")
+        include_usage = get_bool(so, "include_usage")
+    salt = body.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise bad("cache_salt", "must be a non-empty string")
+    return ParsedRequest(kind=kind, model=model, params=params, max_tokens=max_tokens,
+                         max_tokens_field=mt_field, messages=messages, prompt=prompt,
+                         stream=stream, include_usage=include_usage, cache_salt=salt,
+                         user=get_str(body, "user"), want_logprobs=want)
