@@ -66,7 +66,10 @@ def decode_rates(llm: LLM, hf, batches: list[int], new_tokens: int, vocab: int) 
 
 
 def multi_turn(model: str | None, users: int, turns: int, system_tokens: int, cache: bool) -> dict:
-    llm = LLM(model, enable_prefix_cache=cache, progress=False)
+    # L1 only: the lower tiers are on by default and L3 persists across runs, which would let
+    # a second run of this script hit what the first one cached
+    llm = LLM(model, enable_prefix_cache=cache, host_cache_gb=0.0, enable_disk_cache=False,
+              progress=False)
     wl = multi_turn_chat(num_users=users, turns=turns, system_tokens=system_tokens,
                          user_tokens=48, max_tokens=32)
     states = [ConversationState(s) for s in wl.sessions]
