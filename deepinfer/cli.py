@@ -23,6 +23,28 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
     p.add_argument("--no-prefix-cache", action="store_true")
+    add_tier_args(p)
+
+
+def add_tier_args(p: argparse.ArgumentParser) -> None:
+    from .kv.codecs import CODEC_NAMES
+    from .kv.tier_policy import POLICIES
+
+    d = EngineConfig()
+    t = p.add_argument_group("KV cache tiers (L2 host memory, L3 disk)")
+    t.add_argument("--host-cache-gb", type=float, default=d.host_cache_gb,
+                   help="L2 host-DRAM KV cache size, at most half the available RAM; 0 turns L2 off")
+    t.add_argument("--disk-cache-dir", default=None,
+                   help="L3 directory, may be shared by several engines (default: "
+                        "$DEEPINFER_KV_CACHE_DIR, $DEEPINFER_CACHE_DIR/kv or ~/.cache/deepinfer/kv)")
+    t.add_argument("--disk-cache-gb", type=float, default=d.disk_cache_gb, help="L3 size bound")
+    t.add_argument("--no-disk-cache", action="store_true", help="turn L3 off")
+    t.add_argument("--kv-codec-host", default=d.kv_codec_host, choices=CODEC_NAMES, help="L2 page codec")
+    t.add_argument("--kv-codec-disk", default=d.kv_codec_disk, choices=CODEC_NAMES, help="L3 page codec")
+    t.add_argument("--cache-policy", default=d.cache_policy, choices=POLICIES,
+                   help="write_through: every cached page also goes to L3 at once; write_back: pages "
+                        "go down a tier only when evicted; selective: L3 only after --selective-hits hits")
+    t.add_argument("--selective-hits", type=int, default=d.selective_hits)
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -31,7 +53,11 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         page_size=args.page_size, num_pages=args.num_pages,
         kv_cache_memory_gb=args.kv_cache_memory_gb, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
-        enable_prefix_cache=not args.no_prefix_cache)
+        enable_prefix_cache=not args.no_prefix_cache,
+        host_cache_gb=args.host_cache_gb, enable_disk_cache=not args.no_disk_cache,
+        disk_cache_dir=args.disk_cache_dir, disk_cache_gb=args.disk_cache_gb,
+        kv_codec_host=args.kv_codec_host, kv_codec_disk=args.kv_codec_disk,
+        cache_policy=args.cache_policy, selective_hits=args.selective_hits)
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -60,10 +86,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
         outs = llm.generate(prompts, params)
     for prompt, out in zip(prompts, outs):
         print(f"### {prompt}\n{out.text}")
-        print(f"[prompt {out.num_prompt_tokens} tokens: {out.num_cached_tokens} cached, "
-              f"{out.num_computed_tokens} computed; {len(out.token_ids)} generated, "
-              f"finish={out.finish_reason}]", file=sys.stderr)
+        print(f"[prompt {out.num_prompt_tokens} tokens: {out.num_cached_tokens} cached "
+              f"{_tiers_text(out.cached_tokens_by_tier)}, {out.num_computed_tokens} computed; "
+              f"{len(out.token_ids)} generated, finish={out.finish_reason}]", file=sys.stderr)
+    llm.engine.shutdown()
     return 0
+
+
+def _tiers_text(by_tier: dict[str, int]) -> str:
+    parts = [f"{t} {n}" for t, n in by_tier.items() if n]
+    return f"({', '.join(parts)})" if parts else ""
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
@@ -84,10 +116,138 @@ def cmd_chat(args: argparse.Namespace) -> int:
         out = llm.generate(session.next_prompt(line), params)[0]
         session.add_reply(out.token_ids, out.text)
         print(f"assistant> {out.text}")
-        print(f"[turn: prompt {out.num_prompt_tokens} tokens, {out.num_cached_tokens} cached, "
-              f"{out.num_computed_tokens} computed, {len(out.token_ids)} generated, "
-              f"{time.perf_counter() - t0:.2f}s]", file=sys.stderr)
+        print(f"[turn: prompt {out.num_prompt_tokens} tokens, {out.num_cached_tokens} cached "
+              f"{_tiers_text(out.cached_tokens_by_tier)}, {out.num_computed_tokens} computed, "
+              f"{len(out.token_ids)} generated, {time.perf_counter() - t0:.2f}s]", file=sys.stderr)
+    llm.engine.shutdown()
     return 0
+
+
+# ---------------------------------------------------------------------- deepinfer cache
+def _open_disk_store(args: argparse.Namespace):
+    """The L3 directory for maintenance (every namespace, no capacity eviction); None if absent."""
+    import os
+
+    from .kv.disk_store import DiskStore
+    from .kv.tiers import default_disk_dir
+
+    path = args.disk_cache_dir or str(default_disk_dir())
+    if not os.path.isdir(path):
+        _print_json({"dir": path, "files": 0, "note": "no such directory"})
+        return None
+    return DiskStore(path, 1 << 62, None)
+
+
+def _print_json(obj: dict) -> None:
+    import json
+
+    print(json.dumps(obj, indent=2, sort_keys=True))
+
+
+def cmd_cache_stats(args: argparse.Namespace) -> int:
+    import os
+
+    store = _open_disk_store(args)
+    if store is None:
+        return 0
+    s = store.stats()
+    qdir = os.path.join(store.path, "quarantine")
+    quarantined = len(os.listdir(qdir)) if os.path.isdir(qdir) else 0
+    _print_json({"dir": store.path, "files": s["entries"], "bytes": s["bytes"],
+                 "gib": round(s["bytes"] / 2**30, 3), "quarantined_files": quarantined})
+    return 0
+
+
+def cmd_cache_verify(args: argparse.Namespace) -> int:
+    store = _open_disk_store(args)
+    if store is None:
+        return 0
+    report = store.verify()
+    _print_json({"dir": store.path, **report})
+    return 0 if report["ok"] == report["checked"] else 1
+
+
+def cmd_cache_clear(args: argparse.Namespace) -> int:
+    store = _open_disk_store(args)
+    if store is None:
+        return 0
+    n = store.stats()["entries"]
+    store.clear()
+    _print_json({"dir": store.path, "removed_files": n})
+    return 0
+
+
+def read_prompts(path: str) -> list:
+    """Prompts of a file: JSONL (a string, or an object with "prompt", "prompt_token_ids" or
+    chat "messages" per line) or plain text, one prompt per line (blank lines skipped)."""
+    import json
+
+    out: list = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            line = line.rstrip("\n")
+            if not line.strip():
+                continue
+            item = line
+            if line.lstrip()[:1] in ("{", "[", '"'):
+                try:
+                    item = json.loads(line)
+                except ValueError:
+                    item = line
+            if isinstance(item, dict):
+                item = item.get("messages") or item.get("prompt_token_ids") or item.get("prompt")
+            if not item:
+                raise ValueError(f"{path}: cannot read a prompt from line {line[:80]!r}")
+            out.append(item)
+    return out
+
+
+def cmd_cache_warm(args: argparse.Namespace) -> int:
+    """Prefill every prompt (max_tokens=1) so its pages reach the tiers, then flush."""
+    from .chat import render_chat
+    from .llm import LLM
+
+    prompts = read_prompts(args.file)
+    llm = LLM.from_config(engine_config(args))
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    t0 = time.perf_counter()
+    tokens = cached = 0
+    for i in range(0, len(prompts), 16):
+        batch = [render_chat(llm.tokenizer, p) if isinstance(p, list) and p and isinstance(p[0], dict)
+                 else p for p in prompts[i : i + 16]]
+        for out in llm.generate(batch, params):
+            tokens += out.num_prompt_tokens
+            cached += out.num_cached_tokens
+    flushed = llm.engine.shutdown(timeout=None)
+    stats = llm.engine.stats()
+    _print_json({"prompts": len(prompts), "prompt_tokens": tokens, "already_cached_tokens": cached,
+                 "seconds": round(time.perf_counter() - t0, 3), "flushed": flushed,
+                 "disk_files": stats.get("cache_disk_files", 0),
+                 "disk_bytes_written": stats.get("cache_bytes_written_by_tier", {}).get("disk", 0)})
+    return 0 if flushed else 1
+
+
+def add_cache_subcommands(sub: argparse._SubParsersAction) -> None:
+    def with_dir(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        p.add_argument("--disk-cache-dir", default=None, help="L3 directory (default: the engine's)")
+        return p
+
+    with_dir(sub.add_parser("stats", help="files and bytes in the L3 directory")).set_defaults(func=cmd_cache_stats)
+    with_dir(sub.add_parser("verify", help="re-check every L3 file's header and checksum; "
+                            "bad files are quarantined (exit 1 if any)")).set_defaults(func=cmd_cache_verify)
+    with_dir(sub.add_parser("clear", help="delete every L3 page file")).set_defaults(func=cmd_cache_clear)
+    w = sub.add_parser("warm", help="prefill prompts from a file (one per line, or JSONL) so "
+                       "their KV is cached on L3 (e.g. a shared system prompt)")
+    w.add_argument("file")
+    add_engine_args(w)
+    w.set_defaults(func=cmd_cache_warm)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from .server.app import run_server
+    from .server.config import server_config
+
+    return run_server(engine_config(args), server_config(args))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -103,10 +263,19 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(c)
     add_sampling_args(c)
     c.set_defaults(func=cmd_chat)
-    from .bench.cli import add_subcommands as add_bench_subcommands
+    from .bench.cli import add_plan_cache_parser, add_subcommands as add_bench_subcommands
 
     b = sub.add_parser("bench", help="benchmarks: workloads, trace replay, peers, ideal hit rates")
     add_bench_subcommands(b.add_subparsers(dest="bench_command", required=True))
+    add_plan_cache_parser(sub)  # also top level: deepinfer plan-cache --trace FILE
+    k = sub.add_parser("cache", help="the L3 KV cache directory: stats | verify | clear | warm")
+    add_cache_subcommands(k.add_subparsers(dest="cache_command", required=True))
+    from .server.config import add_server_args
+
+    s = sub.add_parser("serve", help="OpenAI/DeepSeek-compatible HTTP server")
+    add_engine_args(s)
+    add_server_args(s)
+    s.set_defaults(func=cmd_serve)
     return parser
 
 
@@ -114,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (RequestError, ValueError) as e:
+    except (RequestError, ValueError, ImportError) as e:
         print(f"deepinfer: error: {e}", file=sys.stderr)
         return 2
 

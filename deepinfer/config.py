@@ -25,6 +25,23 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # per-step token budget (chunked prefill)
     enable_prefix_cache: bool = True
     max_node_pages: int = 64  # fixed-interval cap on a radix node (cache-unit granularity)
+    # Sliding-window layers (kv/window.py): per-sequence rings and prefix reuse on hybrid models.
+    window_ring: bool = True  # sliding layers keep only their window (False: every token, paged)
+    window_reuse: str = "snapshot"  # snapshot (replay as fallback) | replay | off (recompute hits)
+    window_snapshot_interval: int | None = None  # tokens between snapshots; None: the window; 0: none
+    window_snapshot_gb: float = 1.0  # host memory for window snapshots (LRU)
+    window_replay_tokens: int | None = None  # None: exact replay; fewer tokens: lossy, bounded
+    window_chunk_tokens: int | None = None  # largest prefill chunk per sequence; None: the window
+    # Lower KV tiers (kv/tier_policy.py, kv/tiers.py). Both on by default with bounded sizes, so
+    # a restarted engine keeps its cache with no flags.
+    host_cache_gb: float = 4.0  # L2 host DRAM (pinned on CUDA), at most half the available RAM; 0 = off
+    enable_disk_cache: bool = True  # L3
+    disk_cache_dir: str | None = None  # None: $DEEPINFER_KV_CACHE_DIR, else $DEEPINFER_CACHE_DIR/kv, else ~/.cache/deepinfer/kv
+    disk_cache_gb: float = 20.0  # L3 bound (also at most the files there + half the free space)
+    kv_codec_host: str = "lossless"  # lossless | fp8 | fp4 | mxfp4
+    kv_codec_disk: str = "lossless"
+    cache_policy: str = "write_through"  # write_through | write_back | selective
+    selective_hits: int = 2  # selective: lookups a prefix needs before it is written to L3
     seed: int = 0
     progress: bool = True
 
@@ -35,8 +52,39 @@ class EngineConfig:
             raise ValueError("max_num_seqs must be >= 1")
         if self.max_num_batched_tokens < self.page_size:
             raise ValueError("max_num_batched_tokens must be >= page_size")
+        from .kv.codecs import CODEC_NAMES
+        from .kv.tier_policy import POLICIES
+
+        for name in ("kv_codec_host", "kv_codec_disk"):
+            if getattr(self, name) not in CODEC_NAMES:
+                raise ValueError(f"{name} must be one of {', '.join(CODEC_NAMES)}, got {getattr(self, name)!r}")
+        if self.cache_policy not in POLICIES:
+            raise ValueError(f"cache_policy must be one of {', '.join(POLICIES)}, got {self.cache_policy!r}")
+        if self.host_cache_gb < 0 or self.disk_cache_gb < 0:
+            raise ValueError("host_cache_gb and disk_cache_gb must be >= 0")
+        if self.selective_hits < 1:
+            raise ValueError("selective_hits must be >= 1")
+        from .kv.window import REUSE_MODES
+
+        if self.window_reuse not in REUSE_MODES:
+            raise ValueError(f"window_reuse must be one of {', '.join(REUSE_MODES)}, got {self.window_reuse!r}")
+        for name in ("window_snapshot_interval", "window_replay_tokens", "window_chunk_tokens"):
+            if getattr(self, name) is not None and getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0")
+        if self.window_snapshot_gb < 0:
+            raise ValueError("window_snapshot_gb must be >= 0")
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be auto or one of {sorted(_DTYPES)}, got {self.dtype!r}")
+
+    def disk_cache_path(self) -> str | None:
+        """The L3 directory, or None when L3 is off."""
+        if not self.enable_disk_cache or self.disk_cache_gb <= 0:
+            return None
+        if self.disk_cache_dir:
+            return str(self.disk_cache_dir)
+        from .kv.tiers import default_disk_dir
+
+        return str(default_disk_dir())
 
     def torch_device(self) -> torch.device:
         if self.device == "auto":

@@ -9,12 +9,17 @@ from __future__ import annotations
 
 import itertools
 import time
+
+import torch
 from dataclasses import dataclass, field
 
 from .config import EngineConfig
 from .errors import RequestError
 from .kv.cache_manager import KVCacheManager
 from .kv.layout import describe
+from .kv.radix import TIER_NAMES
+from .kv.tier_policy import TierPolicy
+from .kv.window import manager_factory
 from .loader import load_checkpoint
 from .model_runner import ModelRunner
 from .request import Request
@@ -33,12 +38,15 @@ class RequestOutput:
     finish_reason: str | None
     num_prompt_tokens: int
     num_cached_tokens: int  # prompt tokens whose KV came from the cache
-    num_computed_tokens: int  # prompt tokens prefilled by this request (prompt - cached)
+    num_computed_tokens: int  # prompt tokens prefilled by this request (prompt - cached - replayed)
     cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
     ttft: float | None = None
     latency: float | None = None
+    # prompt tokens of the prefix hit recomputed for sliding-window layers (kv/window.py);
+    # cached + replayed + computed == prompt tokens
+    num_replayed_tokens: int = 0
 
 
 class LLMEngine:
@@ -60,14 +68,40 @@ class LLMEngine:
             raise ValueError(f"KV pool holds {capacity} tokens, less than max_model_len="
                              f"{self.max_model_len}; raise --num-pages/--kv-cache-memory-gb")
         self.model_identity = "|".join([
-            ckpt.fingerprint, describe(self.runner.specs), str(self.runner.dtype),
+            ckpt.fingerprint, describe(self.runner.pool.specs), str(self.runner.dtype),
             f"page{config.page_size}"])
-        self.kv = KVCacheManager(self.runner.pool.allocator, config.page_size,
+        self.tiers = self._build_tiers()
+        self.kv = manager_factory(self.runner, config)(self.runner.pool.allocator, config.page_size,
                                  self.model_identity, config.enable_prefix_cache,
-                                 config.max_node_pages)
+                                 config.max_node_pages, tiers=self.tiers,
+                                 policy=TierPolicy(config.cache_policy, config.selective_hits),
+                                 max_loads=2 * config.max_num_seqs)
         self.scheduler = Scheduler(config, self.kv)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
+
+    def _build_tiers(self):
+        """L2/L3 backend per the config (None when both are off or prefix caching is)."""
+        from .kv.tiers import PoolTransfer, TierIO, bounded_sizes
+
+        c = self.config
+        if not c.enable_prefix_cache or not self.runner.pool.owned_buffers():
+            return None  # (no buffers: a model of sliding-window layers only, whose pages hold nothing)
+        disk_dir = c.disk_cache_path()
+        sizes = bounded_sizes(c.host_cache_gb, disk_dir, c.disk_cache_gb)
+        if sizes.host_bytes <= 0 and sizes.disk_bytes <= 0:
+            return None
+        return TierIO(PoolTransfer(self.runner.pool), c.page_size, self.model_identity,
+                      host_bytes=sizes.host_bytes, host_codec=c.kv_codec_host,
+                      disk_dir=disk_dir if sizes.disk_bytes > 0 else None,
+                      disk_bytes=sizes.disk_bytes, disk_codec=c.kv_codec_disk)
+
+    def shutdown(self, timeout: float | None = 60.0) -> bool:
+        """Graceful stop: wait for queued L2/L3 writes to land, stop the tier threads.
+        Idempotent; True if every pending write finished in time."""
+        if self.tiers is None:
+            return True
+        return self.tiers.close(timeout)
 
     # ------------------------------------------------------------------ requests
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -111,8 +145,11 @@ class LLMEngine:
     # ------------------------------------------------------------------ stepping
     def step(self) -> list[Request]:
         """Run one batch; returns requests that got a token (finished ones included)."""
+        self.kv.poll()
         batch = self.scheduler.schedule()
         if not batch.items:
+            if self.scheduler.waiting and self.kv.loads_in_flight():
+                self.kv.wait_for_loads(0.05)  # only loading requests are left: no busy loop
             return []
         sampled, result = self.runner.execute(batch.items)
         for req, n in batch.items:
@@ -171,12 +208,13 @@ class LLMEngine:
             finish_reason=req.finish_reason,
             num_prompt_tokens=req.num_prompt_tokens,
             num_cached_tokens=cached,
-            num_computed_tokens=req.num_prompt_tokens - cached,
+            num_computed_tokens=req.num_prompt_tokens - cached - req.num_replayed_tokens,
             cached_tokens_by_tier=dict(req.cached_tokens_by_tier),
             logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
             top_logprobs=list(req.top_logprobs) if req.params.logprobs else None,
             ttft=None if req.first_token_time is None else req.first_token_time - req.arrival_time,
             latency=None if req.finish_time is None else req.finish_time - req.arrival_time,
+            num_replayed_tokens=req.num_replayed_tokens,
         )
 
     def run_to_completion(self, reqs: list[Request]) -> list[RequestOutput]:
@@ -185,8 +223,13 @@ class LLMEngine:
         return [self.make_output(r) for r in reqs]
 
     def stats(self) -> dict:
+        """Counters and gauges (the server exports every number; dicts by tier as labels).
+
+        Tier metrics: hit tokens per tier; bytes read/written per lower tier; loads (count,
+        seconds total and max); pages evicted per tier; checksum failures and other bad
+        files on L3; L3 writes dropped (back-pressure) or failed; pages held per tier."""
         s = self.kv.stats
-        return {
+        out = {
             "prefix_cache_queries": s.query_tokens,
             "prefix_cache_hits": s.hit_tokens,
             "evicted_pages": s.evicted_pages,
@@ -195,4 +238,69 @@ class LLMEngine:
             "total_pages": self.runner.pool.allocator.num_pages,
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
+            "cache_hit_tokens_by_tier": dict(s.hit_tokens_by_tier),
         }
+        if hasattr(self.kv, "window_stats"):  # sliding-window rings and snapshots
+            out.update(self.kv.window_stats())
+        t = self.kv.tier_stats()
+        if not t:
+            return out
+        b = t["backend"]
+        disk = b.get("disk", {})
+        out.update({
+            "cache_pages_by_tier": t["pages"],
+            "cache_capacity_pages_by_tier": t["capacity"],
+            "cache_evicted_pages_by_tier": t["evicted"],
+            "cache_bytes_read_by_tier": {"host": b["host_bytes_read"], "disk": b["disk_bytes_read"]},
+            "cache_bytes_written_by_tier": {"host": b["host_bytes_written"],
+                                            "disk": b["disk_bytes_written"]},
+            "cache_loads_total": s.loads,
+            "cache_loaded_pages_total": s.loaded_pages,
+            "cache_load_seconds_total": s.load_seconds,
+            "cache_load_seconds_max": s.load_seconds_max,
+            "cache_load_failures_total": s.load_failures,
+            "cache_checksum_failures_total": disk.get("checksum_failures", 0),
+            "cache_corrupt_files_total": disk.get("corrupt_files", 0),
+            "cache_foreign_files_total": disk.get("foreign_files", 0),
+            "cache_disk_misses_total": disk.get("misses", 0),
+            "cache_disk_write_errors_total": b["disk_write_errors"],
+            "cache_disk_writes_dropped_total": b["disk_writes_dropped"],
+            "cache_disk_pending_bytes": b["disk_pending_bytes"],
+            "cache_disk_files": disk.get("entries", 0),
+            "cache_disk_bytes": disk.get("bytes", 0),
+            "cache_stale_disk_records_total": t["stale_disk_records"],
+        })
+        return out
+
+    # ------------------------------------------------------------------ scoring
+    def score(self, prompts: list[list[int]], cache_salt: str | None = None) -> list[tuple[torch.Tensor, int]]:
+        """Teacher-forced logits: for each prompt, the logits of every token this call computes
+        (all but its cached or replayed prefix) and that prefix's length. The prompts' pages are cached
+        like any request's. Only for an otherwise idle engine (tests, evaluation, benchmarks)."""
+        if self.scheduler.has_work():
+            raise RuntimeError("score() needs an idle engine")
+        params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        reqs = [self.add_request(p, params, cache_salt=cache_salt) for p in prompts]
+        chunks: dict[int, list[torch.Tensor]] = {id(r): [] for r in reqs}
+        left = set(map(id, reqs))
+        while left:
+            self.kv.poll()
+            batch = self.scheduler.schedule()
+            if not batch.items:
+                self.kv.wait_for_loads(0.05)
+                continue
+            logits = self.runner.prompt_logits(batch.items)
+            off = 0  # the runner puts one-token items first, then the longer chunks
+            for req, n in sorted(batch.items, key=lambda it: it[1] > 1):
+                chunks[id(req)].append(logits[off : off + n])
+                off += n
+                req.num_computed_tokens += n
+                self.kv.cache_pages(req)
+                if req.num_computed_tokens >= req.num_tokens:
+                    self.scheduler.finish(req, "length")
+                    self.requests.pop(req.request_id, None)
+                    left.discard(id(req))
+        # Replayed tokens (sliding-window models, kv/window.py) were recomputed with a window
+        # that may start short: their logits are not the model's, so they are left out.
+        return [(torch.cat(chunks[id(r)])[r.num_replayed_tokens :],
+                 (r.num_cached_tokens or 0) + r.num_replayed_tokens) for r in reqs]

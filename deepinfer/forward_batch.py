@@ -3,6 +3,10 @@
 New tokens of all sequences are flattened into one dimension: first one token for each
 decoding sequence, then each prefill chunk in turn. Every layer reads the same batch, so
 masks are built once per step (per window size) and reused by all layers.
+
+Models with sliding-window rings (``kv/window.py``) get a second batch, ``window_view``: the same
+tokens with ring slots and ring page tables, whose gathered keys start at ``kv_start`` (a
+position, not 0) and are valid only from ``kv_lo``; ``for_layer(i)`` hands each layer its own.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ class PrefillSegment:
     q_len: int  # tokens computed in this step
     kv_len: int  # context length after this step (cached prefix + earlier chunks + q_len)
     pages: torch.Tensor  # [ceil(kv_len / page_size)] page ids, int64, on the device
+    kv_start: int = 0  # position of the first gathered key (ring views: the window's first page)
+    kv_lo: int = 0  # keys below this position are masked (nothing of this sequence there)
 
 
 @dataclass
@@ -31,7 +37,17 @@ class ForwardBatch:
     decode_kv_lens: torch.Tensor | None  # [B]
     prefills: list[PrefillSegment]
     logits_indices: torch.Tensor  # [num_seqs]: the last new token of each sequence
+    decode_kv_start: torch.Tensor | None = None  # [B] position of each row's first gathered key
+    decode_kv_lo: torch.Tensor | None = None  # [B] keys below are masked
+    window_view: ForwardBatch | None = None  # what the window-group layers read (ring pages)
+    window_layers: frozenset[int] = frozenset()
     _masks: dict = field(default_factory=dict, repr=False)
+
+    def for_layer(self, i: int) -> ForwardBatch:
+        """The batch layer ``i`` reads: the ring view for window-group layers, else this one."""
+        if self.window_view is not None and i in self.window_layers:
+            return self.window_view
+        return self
 
     @property
     def num_tokens(self) -> int:
@@ -43,12 +59,17 @@ class ForwardBatch:
         if key not in self._masks:
             assert self.decode_pages is not None and self.decode_kv_lens is not None
             L = self.decode_pages.shape[1] * self.page_size
-            j = torch.arange(L, device=self.decode_kv_lens.device)
+            j = torch.arange(L, device=self.decode_kv_lens.device)[None, :]
+            if self.decode_kv_start is not None:
+                j = j + self.decode_kv_start[:, None]  # key positions
             lens = self.decode_kv_lens[:, None]
-            mask = j[None, :] < lens
+            mask = j < lens
+            if self.decode_kv_lo is not None:
+                mask &= j >= self.decode_kv_lo[:, None]
             if window is not None:
-                mask &= j[None, :] > lens - 1 - window
-            all_valid = window is None and bool((self.decode_kv_lens == L).all())
+                mask &= j > lens - 1 - window
+            all_valid = (window is None and self.decode_kv_start is None and self.decode_kv_lo is None
+                         and bool((self.decode_kv_lens == L).all()))
             self._masks[key] = None if all_valid else mask[:, None, None, :]
         return self._masks[key]
 
@@ -57,13 +78,15 @@ class ForwardBatch:
         key = ("prefill", i, window)
         if key not in self._masks:
             seg = self.prefills[i]
-            if seg.kv_len == seg.q_len and window is None:
+            if seg.kv_len == seg.q_len and window is None and seg.kv_lo <= 0:
                 self._masks[key] = None
             else:
                 dev = seg.pages.device
                 qpos = torch.arange(seg.kv_len - seg.q_len, seg.kv_len, device=dev)[:, None]
-                kpos = torch.arange(seg.kv_len, device=dev)[None, :]
+                kpos = torch.arange(seg.kv_start, seg.kv_len, device=dev)[None, :]
                 mask = kpos <= qpos
+                if seg.kv_lo > seg.kv_start:
+                    mask &= kpos >= seg.kv_lo
                 if window is not None:
                     mask &= kpos > qpos - window
                 self._masks[key] = mask

@@ -6,6 +6,10 @@ and pages last. A waiting request starts from its longest cached prefix. When pa
 out, the cache evicts unlocked prefixes; if that is not enough, the most recently started
 request is preempted (its pages released, its tokens recomputed later — mostly from the
 cache it just filled) and put back at the head of the queue, so no request starves.
+
+A request whose cached prefix lies partly in the lower tiers (host memory, disk) starts loading
+it when queued; while that load runs it stays in the queue and the requests behind it are
+scheduled, so a slow load never stalls the others.
 """
 
 from __future__ import annotations
@@ -31,11 +35,14 @@ class Scheduler:
     def __init__(self, config: EngineConfig, kv: KVCacheManager) -> None:
         self.config = config
         self.kv = kv
+        # one sequence's prefill chunk: capped for sliding-window rings (kv/window.py)
+        self.max_chunk = getattr(kv, "max_chunk_tokens", None) or config.max_num_batched_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
+        self.kv.prefetch(req)  # loads from L2/L3 start now, overlapping with compute
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -46,7 +53,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = min(req.num_tokens - req.num_computed_tokens, budget, self.max_chunk)
             while not self.kv.allocate(req, n):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -58,14 +65,18 @@ class Scheduler:
                 i += 1
                 continue
             # ``req`` itself was preempted; the loop index now points past the end
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting[0]
+        w = 0
+        while w < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[w]
+            if self.kv.prefetch(req):  # its KV is still being loaded: schedule the next one
+                w += 1
+                continue
             self.kv.match_prefix(req)
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = min(req.num_tokens - req.num_computed_tokens, budget, self.max_chunk)
             if not self.kv.allocate(req, n):
                 self.kv.release(req)
                 break
-            self.waiting.popleft()
+            del self.waiting[w]
             req.status = Status.RUNNING
             self.running.append(req)
             items.append((req, n))

@@ -18,7 +18,9 @@ def prompts(n, length, seed=0, shared=0):
 
 
 def make(tiny_llama, **kw):
-    args = dict(page_size=4, num_pages=512, max_num_batched_tokens=256, progress=False)
+    # L2 stays on (its default); L3 is off: tests never write to the user's cache folder
+    args = dict(page_size=4, num_pages=512, max_num_batched_tokens=256, progress=False,
+                enable_disk_cache=False)
     args.update(kw)
     return LLM(str(tiny_llama), **args)
 

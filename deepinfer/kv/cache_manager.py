@@ -1,38 +1,62 @@
 """The scheduler's view of the KV cache: prefix matching, page allocation, caching, release.
 
-It owns the radix tree and the page allocator but no tensors, so the capacity planner can
-drive the very same code with no model. Ownership rule: the leading ``req.num_tree_pages``
-pages of a request belong to the tree (the request holds a lock on the deepest of them);
-the rest are the request's own and are freed when it ends.
+It owns the radix tree, the page allocator and (optionally) the lower tiers' ``TierManager``
+but no tensors, so the capacity planner can drive the very same code with no model (the tiers'
+data moves through a ``TierBackend``: ``tiers.TierIO`` in the engine, the counting base class in
+the planner). Ownership rule: the leading ``req.num_tree_pages`` pages of a request belong to
+the tree (the request holds a lock on the deepest of them); the rest are the request's own and
+are freed when it ends.
+
+With lower tiers, a request's cached prefix may lie partly in L2/L3. ``prefetch`` (called when
+the request is queued) plans and starts loading those pages; the scheduler leaves the request
+waiting while ``prefetch`` says so and schedules others. ``match_prefix`` then applies the
+finished load (L1 pages allocated, data copied in, pages adopted by the tree) before the usual
+L1 match. A page that cannot be loaded (bad checksum, file gone) ends the load there: the
+request computes the rest, and the miss is counted.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..request import Request
 from .hashing import chain_hashes, root_hash
 from .pool import PageAllocator
-from .radix import DEVICE, TIER_NAMES, Node, RadixTree
+from .radix import DEVICE, DISK, HOST, NUM_TIERS, TIER_NAMES, Node, RadixTree
+from .tier_policy import LoadJob, TierBackend, TierManager, TierPolicy
 
 
 @dataclass
 class CacheStats:
     query_tokens: int = 0  # prompt tokens looked up (vLLM's prefix_cache_queries)
     hit_tokens: int = 0  # of which served from cache (vLLM's prefix_cache_hits)
-    evicted_pages: int = 0
+    evicted_pages: int = 0  # pages evicted from L1
     preemptions: int = 0
+    hit_tokens_by_tier: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIER_NAMES, 0))
+    loads: int = 0  # finished loads from L2/L3 applied to a request
+    loaded_pages: int = 0
+    load_seconds: float = 0.0  # sum over loads of (queued -> data ready)
+    load_seconds_max: float = 0.0
+    load_failures: int = 0  # loads cut short by a page that could not be read
 
 
 class KVCacheManager:
     def __init__(self, allocator: PageAllocator, page_size: int, model_identity: str,
-                 enable_prefix_cache: bool = True, max_node_pages: int = 64) -> None:
+                 enable_prefix_cache: bool = True, max_node_pages: int = 64,
+                 tiers: TierBackend | None = None, policy: TierPolicy | None = None,
+                 max_loads: int = 64) -> None:
         self.allocator = allocator
         self.page_size = page_size
         self.model_identity = model_identity
         self.tree = RadixTree(page_size, max_node_pages) if enable_prefix_cache else None
         self.stats = CacheStats()
         self._roots: dict[str | None, bytes] = {}
+        self.tiers: TierManager | None = None
+        if tiers is not None and self.tree is not None and (tiers.host_capacity or tiers.disk_capacity):
+            self.tiers = TierManager(self.tree, tiers, policy or TierPolicy(), self.allocator.free)
+        self.max_loads = max_loads  # loads started and not yet applied (bounds staged data)
+        self._jobs: set[LoadJob] = set()
+        self._orphans: list[LoadJob] = []  # loads of requests that went away, still running
 
     # ------------------------------------------------------------------ hashing
     def root(self, salt: str | None) -> bytes:
@@ -47,21 +71,142 @@ class KVCacheManager:
             parent = req.page_hashes[-1] if req.page_hashes else self.root(req.cache_salt)
             req.page_hashes += chain_hashes(tokens, self.page_size, parent, len(req.page_hashes))
 
+    def _lookup_hashes(self, req: Request) -> list[bytes]:
+        """Page hashes a lookup may use: at least one token is always left to compute."""
+        tokens = req.all_token_ids
+        self.update_hashes(req, tokens)
+        return req.page_hashes[: (len(tokens) - 1) // self.page_size]
+
+    # ------------------------------------------------------------------ lower tiers
+    def prefetch(self, req: Request) -> bool:
+        """Start loading the part of ``req``'s cached prefix that only L2/L3 hold.
+
+        Called when the request is queued and again by the scheduler while it waits. Returns
+        True while the request must wait (its load is running, or too many loads are).
+        """
+        if self.tiers is None:
+            return False
+        if req.kv_load is not None:
+            return not req.kv_load.done
+        if req.kv_prefetched:
+            return False
+        return self._start_load(req, force=False)
+
+    def _start_load(self, req: Request, force: bool) -> bool:
+        assert self.tiers is not None and self.tree is not None
+        hashes = self._lookup_hashes(req)
+        m = self.tree.match(hashes, count_hit=not req.kv_hit_counted)
+        req.kv_hit_counted = True
+        self.tiers.after_hit(m.path)
+        job = self.tiers.plan(hashes, m.path)
+        if job is None:
+            req.kv_prefetched = True
+            return False
+        if len(self._jobs) >= self.max_loads and not force:
+            return True
+        req.kv_prefetched = True
+        self.tree.lock(job.locked)  # keeps the L1 prefix and the L2 slots being read in place
+        self._jobs.add(job)
+        req.kv_load = job
+        self.tiers.backend.start_load(job)
+        return not job.done
+
+    def loads_in_flight(self) -> bool:
+        return any(not j.done for j in self._jobs) or bool(self._orphans)
+
+    def wait_for_loads(self, timeout: float) -> None:
+        if self.tiers is not None:
+            self.tiers.backend.wait(timeout)
+
+    def poll(self) -> None:
+        """Main-thread housekeeping: forget failed L3 writes, drop loads nobody wants."""
+        if self.tiers is None:
+            return
+        self.tiers.poll()
+        if self._orphans:
+            done = [j for j in self._orphans if j.done]
+            self._orphans = [j for j in self._orphans if not j.done]
+            for job in done:
+                self._drop_job(job)
+
+    def _drop_job(self, job: LoadJob) -> None:
+        assert self.tiers is not None and self.tree is not None
+        self.tiers.backend.drop_load(job)
+        self.tree.unlock(job.locked)
+        self._jobs.discard(job)
+
+    def _apply_load(self, req: Request) -> list[int]:
+        """Bring a finished load into L1 and the tree; returns pages adopted per source tier."""
+        assert self.tiers is not None and self.tree is not None
+        job = req.kv_load
+        assert job is not None and job.done
+        req.kv_load = None
+        adopted = [0] * NUM_TIERS
+        n = job.num_loaded
+        if n and not self.ensure_free(n):
+            n = min(n, self.allocator.num_free)  # L1 is full of locked pages: take what fits
+        if n:
+            pages = self.allocator.alloc(n)
+            self.tiers.backend.finish_load(job, pages)
+            end = job.start + n
+            tokens = req.all_token_ids
+            m, kept = self.tree.insert(req.page_hashes[:end], tokens[: end * self.page_size],
+                                       DEVICE, job.prefix_pages + pages)
+            for i, p in enumerate(pages):
+                if kept[job.start + i] == p:
+                    adopted[job.page_tiers[i]] += 1
+                else:  # someone brought this page back meanwhile: keep theirs
+                    self.allocator.free([p])
+            if job.probe:
+                self.tiers.adopted_disk_records(m.path, job, end)
+            self.tiers.after_insert(m.path)
+        self._drop_job(job)
+        s = self.stats
+        s.loads += 1
+        s.loaded_pages += n
+        s.load_seconds += job.seconds
+        s.load_seconds_max = max(s.load_seconds_max, job.seconds)
+        if job.failed_at is not None:
+            s.load_failures += 1
+            if job.failed_at < len(job.sources) and job.sources[job.failed_at][0] == DISK:
+                self.tiers.forget_disk(job.source_nodes[job.failed_at])
+        return adopted
+
+    def evict(self, tier: int = DEVICE, num_pages: int | None = None) -> int:
+        """Evict (demote, per the tier policy) up to ``num_pages`` unlocked pages of ``tier``
+        (all of them by default). For tests, benchmarks and operations."""
+        if self.tree is None:
+            return 0
+        n = self.tree.pages_in_tier[tier] if num_pages is None else num_pages
+        dropped = self.tree.evict(tier, n, self._release)
+        if tier == DEVICE:
+            self.stats.evicted_pages += dropped
+        return dropped
+
     # ------------------------------------------------------------------ lookup
     def match_prefix(self, req: Request) -> int:
         """Attach the longest cached prefix to a request about to start; returns its tokens.
 
         At least one token is always left to compute (its logits start the generation).
+        A finished lower-tier load is applied first (a synchronous caller, e.g. the planner,
+        gets its load started and waited for here).
         """
         first = req.num_cached_tokens is None
         if first:
             self.stats.query_tokens += req.num_prompt_tokens
         matched = 0
+        adopted = [0] * NUM_TIERS
         if self.tree is not None:
-            tokens = req.all_token_ids
-            self.update_hashes(req, tokens)
-            max_pages = (len(tokens) - 1) // self.page_size
-            m = self.tree.match(req.page_hashes[:max_pages])
+            if self.tiers is not None:
+                if req.kv_load is None and not req.kv_prefetched:
+                    self._start_load(req, force=True)
+                if req.kv_load is not None:
+                    while not req.kv_load.done:
+                        self.tiers.backend.wait(0.05)
+                    adopted = self._apply_load(req)
+            hashes = self._lookup_hashes(req)
+            m = self.tree.match(hashes, count_hit=not req.kv_hit_counted)
+            req.kv_hit_counted = True
             pages: list[int] = []
             last: Node | None = None
             for node in m.path:
@@ -75,11 +220,19 @@ class KVCacheManager:
             req.pages = pages
             req.num_tree_pages = len(pages)
             matched = len(pages) * self.page_size
+        req.kv_prefetched = False
         req.num_computed_tokens = matched
         if first:
             req.num_cached_tokens = min(matched, req.num_prompt_tokens)
-            req.cached_tokens_by_tier = {TIER_NAMES[DEVICE]: req.num_cached_tokens}
+            by_tier = {TIER_NAMES[DEVICE]: req.num_cached_tokens}
+            if self.tiers is not None:
+                host, disk = adopted[HOST] * self.page_size, adopted[DISK] * self.page_size
+                by_tier = {TIER_NAMES[DEVICE]: req.num_cached_tokens - host - disk,
+                           TIER_NAMES[HOST]: host, TIER_NAMES[DISK]: disk}
+            req.cached_tokens_by_tier = by_tier
             self.stats.hit_tokens += req.num_cached_tokens
+            for t, v in by_tier.items():
+                self.stats.hit_tokens_by_tier[t] += v
         else:
             req.num_recomputed_tokens += req.num_tokens - matched
         return matched
@@ -102,7 +255,10 @@ class KVCacheManager:
         return self.allocator.num_free >= n
 
     def _release(self, node: Node, tier: int) -> None:
-        if tier == DEVICE:
+        """The tree's eviction callback: demote per the tier policy, or free L1 pages."""
+        if self.tiers is not None:
+            self.tiers.release(node, tier)  # frees the L1 pages itself once copied
+        elif tier == DEVICE:
             self.allocator.free(node.tiers[DEVICE])
 
     # ------------------------------------------------------------------ caching
@@ -125,11 +281,21 @@ class KVCacheManager:
         self.tree.unlock(req.locked_node)
         req.locked_node = m.last
         req.num_tree_pages = full
+        if self.tiers is not None:
+            self.tiers.after_insert(m.path)
 
     def release(self, req: Request) -> None:
         """Give back a finished, aborted or preempted request's pages (tree pages stay cached)."""
         if self.tree is not None:
             self.tree.unlock(req.locked_node)
+        if req.kv_load is not None:  # still loading (or loaded, not applied): nobody wants it
+            job, req.kv_load = req.kv_load, None
+            job.cancelled = True
+            if job.done:
+                self._drop_job(job)
+            else:
+                self._orphans.append(job)
+        req.kv_prefetched = False
         self.allocator.free(req.pages[req.num_tree_pages :])
         req.locked_node = None
         req.pages = []
@@ -139,3 +305,9 @@ class KVCacheManager:
     @property
     def num_free_pages(self) -> int:
         return self.allocator.num_free
+
+    def tier_stats(self) -> dict:
+        """Per-tier counters for ``LLMEngine.stats()`` (empty without lower tiers)."""
+        if self.tiers is None:
+            return {}
+        return {**self.tiers.stats(), "backend": self.tiers.backend.stats()}

@@ -90,6 +90,44 @@ class HostStore:
             self._counters["reads"] += 1
         return self._buf[slot, : self._lengths[slot]]
 
+    def write_rows(self, slots: list[int], rows: torch.Tensor) -> None:
+        """Fill several slots at once: row i of ``rows`` [n, nbytes] (uint8, host) into ``slots[i]``."""
+        if rows.dtype != torch.uint8 or rows.dim() != 2 or rows.shape[0] != len(slots):
+            raise ValueError(f"expected [{len(slots)}, nbytes] uint8 rows, got {tuple(rows.shape)} {rows.dtype}")
+        for s in slots:
+            self._check(s)
+        n = rows.shape[1]
+        self._check_len(n)
+        if slots:
+            idx = torch.tensor(slots, dtype=torch.long)
+            self._buf[:, :n].index_copy_(0, idx, rows.to("cpu"))
+        with self._lock:
+            for s in slots:
+                self._lengths[s] = n
+            self._counters["writes"] += len(slots)
+            self._counters["bytes_written"] += n * len(slots)
+
+    def read_rows(self, slots: list[int]) -> torch.Tensor:
+        """A copy of several slots as [n, nbytes] rows (all slots must hold the same length)."""
+        for s in slots:
+            self._check(s)
+        lengths = {self._lengths[s] for s in slots}
+        if len(lengths) > 1:
+            raise ValueError(f"slots hold different lengths: {sorted(lengths)}")
+        n = lengths.pop() if lengths else 0
+        with self._lock:
+            self._counters["reads"] += len(slots)
+        return self._buf[torch.tensor(slots, dtype=torch.long), :n]
+
+    def read_raw(self, slots: list[int], nbytes: int) -> torch.Tensor:
+        """A copy of the first ``nbytes`` of several slots, allocated or not. For a writer thread
+        that orders every write itself and reads slots freed after it was asked to read them:
+        their bytes are intact until its own later writes."""
+        self._check_len(nbytes)
+        with self._lock:
+            self._counters["reads"] += len(slots)
+        return self._buf[torch.tensor(slots, dtype=torch.long), :nbytes]
+
     def stats(self) -> dict[str, int | bool]:
         used = self.num_slots - self.num_free
         return {"slots": self.num_slots, "used": used, "free": self.num_free, "slot_nbytes": self.slot_nbytes,

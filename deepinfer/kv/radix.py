@@ -36,7 +36,7 @@ class Node:
     children: dict[bytes, Node] = field(default_factory=dict)
     lock_ref: int = 0
     last_access: int = 0
-    hits: int = 0
+    hits: int = 0  # lookups that reached this node (inserts do not count)
 
     @property
     def num_pages(self) -> int:
@@ -79,8 +79,11 @@ class RadixTree:
         self.pages_in_tier = [0] * NUM_TIERS
 
     # ------------------------------------------------------------------ lookup
-    def match(self, hashes: Sequence[bytes], touch: bool = True) -> Match:
-        """Longest cached prefix of ``hashes`` (in whole pages), splitting a node where it ends."""
+    def match(self, hashes: Sequence[bytes], touch: bool = True, count_hit: bool = True) -> Match:
+        """Longest cached prefix of ``hashes`` (in whole pages), splitting a node where it ends.
+
+        ``touch`` refreshes the path's LRU age; ``count_hit`` also counts a hit on every node
+        of the path (what the ``selective`` tier policy looks at)."""
         path: list[Node] = []
         node, i = self.root, 0
         while i < len(hashes):
@@ -93,14 +96,14 @@ class RadixTree:
             path.append(child)
             node, i = child, i + n
         if touch:
-            self._touch(path)
+            self._touch(path, count_hit)
         return Match(path=path, num_pages=i)
 
-    def _touch(self, path: list[Node]) -> None:
+    def _touch(self, path: list[Node], count_hit: bool = False) -> None:
         self._clock += 1
         for n in path:
             n.last_access = self._clock
-            n.hits += 1
+            n.hits += count_hit
         if path:
             self._push_candidate(path[-1])
 
@@ -202,6 +205,14 @@ class RadixTree:
                 total += n.num_pages
         return total
 
+    def drop_tier(self, node: Node, tier: int, release: ReleaseFn) -> None:
+        """Forget that ``node``'s pages live in ``tier`` (e.g. its L3 files turned out to be gone),
+        as eviction would; a node left with no tier goes with its subtree. Never on locked nodes
+        that would lose their last tier."""
+        assert node.tiers[tier] is not None
+        assert node.lock_ref == 0 or any(node.tiers[t] is not None for t in range(NUM_TIERS) if t != tier)
+        self._drop_tier(node, tier, release)
+
     def _evictable(self, node: Node, tier: int) -> bool:
         return (
             node.parent is not None
@@ -277,6 +288,8 @@ class RadixTree:
 
 def _common_len(a: Sequence[bytes], b: Sequence[bytes], b_off: int) -> int:
     n = min(len(a), len(b) - b_off)
+    if a[:n] == b[b_off : b_off + n]:  # the usual case: one C-level comparison
+        return n
     i = 0
     while i < n and a[i] == b[b_off + i]:
         i += 1

@@ -80,7 +80,7 @@ def paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
             k, v = k_new[sl], v_new[sl]
         else:
             k, v = _gather_kv(k_cache, v_cache, seg.pages)
-            k, v = k[: seg.kv_len], v[: seg.kv_len]
+            k, v = k[: seg.kv_len - seg.kv_start], v[: seg.kv_len - seg.kv_start]
         mask = batch.prefill_mask(i, window)
         o = attend(q[sl].transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                    mask, scale, causal=mask is None, softcap=softcap, sinks=sinks)

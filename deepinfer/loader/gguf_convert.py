@@ -45,6 +45,20 @@ from deepinfer.loader.eos import gguf_eos_ids
 WEIGHTS_FILE = "model.safetensors"
 
 
+def _register_block_sizes() -> None:
+    """transformers' GGUF reader sizes tensors only of the types it can de-quantise itself; we
+    de-quantise with gguf-py, which knows more (llama.cpp's Q4_K_M mixes in Q5_0, e.g. Gemma 3
+    270M). Adding their (elements, bytes) per block lets the reader locate those tensors too."""
+    from transformers.integrations.gguf import dequant
+
+    for qtype, (elements, nbytes) in gguf_py.GGML_QUANT_SIZES.items():
+        if elements > 1:  # block-quantised (plain float/int types are read as they are)
+            dequant.GGML_BLOCK.setdefault(int(qtype), (elements, nbytes))
+
+
+_register_block_sizes()
+
+
 def convert_gguf(gguf: Path, target: Path, progress: bool = True) -> None:
     """Write `target` (config.json, model.safetensors, tokenizer, generation_config.json) from `gguf`.
 

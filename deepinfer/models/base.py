@@ -40,8 +40,8 @@ class CausalLM(nn.Module):
     def forward(self, batch: ForwardBatch, kv: list[dict[str, torch.Tensor]]) -> torch.Tensor:
         """Hidden states [T, hidden] of the batch's new tokens; writes their KV into ``kv``."""
         x = self.embed(batch.input_ids)
-        for layer, layer_kv in zip(self.model.layers, kv):
-            x = layer(x, batch, layer_kv)
+        for i, (layer, layer_kv) in enumerate(zip(self.model.layers, kv)):
+            x = layer(x, batch.for_layer(i), layer_kv)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -21,8 +21,10 @@ def make_runner(hf_model, page_size: int = 4, num_pages: int = 128, max_len: int
     sd = state_dict if state_dict is not None else hf_model.state_dict()
     ckpt = types.SimpleNamespace(config=hf_model.config, weights=lambda: iter(sd.items()),
                                  name=type(hf_model).__name__, fingerprint="test")
+    # window_chunk_tokens: these tests prefill in chunks of any size (the engine caps them)
     return ModelRunner(EngineConfig(page_size=page_size, num_pages=num_pages, dtype="float32",
-                                    device="cpu", progress=False), ckpt, max_len)
+                                    device="cpu", progress=False, window_chunk_tokens=max_len),
+                       ckpt, max_len)
 
 
 def new_request(runner: ModelRunner, ids: list[int], rid: str = "r", reserve: int = 16) -> Request:

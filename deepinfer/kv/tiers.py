@@ -1,0 +1,582 @@
+"""Data movement of the lower KV tiers: the engine's ``TierBackend``.
+
+``TierIO`` moves pages between the device pool (through a ``KVTransfer``), the L2 host store
+(``HostStore`` slots, pinned on CUDA) and the L3 disk store (``DiskStore`` files), encoding
+with a codec per tier. Policy (what moves where, when, capacity) lives in ``tier_policy.py``.
+
+A page's bytes in a tier: for each buffer the pool owns (``PagePool.owned_buffers``: each
+layer's K and V, or an MLA latent), the page's slice flattened and encoded on its own (FP4's
+per-page scale must not span layers), concatenated in buffer order. ``encode_pages`` /
+``decode_pages`` do it for many pages at once (``Codec.encode_rows``).
+
+Threads, so that neither decoding nor the scheduler waits on a copy:
+
+* host writer (one, FIFO): encodes pages evicted from L1 into their L2 slots, and reads L2
+  slots that go down to L3. The L1 data is captured (one gather) before ``device_to_host``
+  returns, so the caller frees the L1 pages at once. A reader of a slot waits for the
+  slot's pending write.
+* disk writer (one, FIFO): encodes and writes L3 files (write-through and L2 evictions).
+  Bounded by ``max_pending_bytes``: beyond it a write is refused (the page simply is not on
+  disk), never waited for. Failures are reported to the tier manager (``poll_failed_writes``).
+* loaders (two): read L2 slots / L3 files of a ``LoadJob``, decode them (on the device, on a
+  side stream, when on CUDA) and mark the job done; the main thread then copies the pages into
+  L1 (``finish_load``), a device-local copy.
+
+On CUDA: host slots are pinned, device->host copies are ``non_blocking`` on a side stream
+whose completion the writer thread waits for, and loads decode on a side stream.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import math
+import os
+import shutil
+import threading
+import time
+import weakref
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from .codecs import Codec, get_codec
+from .disk_store import DiskStore
+from .host_store import HostStore
+from .radix import DISK, HOST
+from .tier_policy import LoadJob, TierBackend, disk_key
+
+log = logging.getLogger(__name__)
+
+__all__ = ["KVTransfer", "PoolTransfer", "TierIO", "TierSizes", "default_disk_dir",
+           "encode_pages", "decode_pages", "page_nbytes"]
+
+
+class KVTransfer(Protocol):
+    """Where L1 pages are read from and written to (``PoolTransfer`` over the ``PagePool``)."""
+
+    shapes: list[tuple[int, ...]]  # per owned buffer: one page's shape, [page_size, *per_token]
+    dtype: torch.dtype
+    device: torch.device
+
+    def read_pages(self, pages: list[int]) -> list[torch.Tensor]: ...
+
+    def write_pages(self, pages: list[int], data: list[torch.Tensor]) -> None: ...
+
+
+class PoolTransfer:
+    """``KVTransfer`` over a ``PagePool``."""
+
+    def __init__(self, pool: Any) -> None:
+        self.pool = pool
+        bufs = pool.owned_buffers()
+        self.shapes = [tuple(b.shape[1:]) for b in bufs]
+        self.dtype = pool.dtype
+        self.device = bufs[0].device
+
+    def read_pages(self, pages: list[int]) -> list[torch.Tensor]:
+        return self.pool.read_pages(pages)
+
+    def write_pages(self, pages: list[int], data: list[torch.Tensor]) -> None:
+        self.pool.write_pages(pages, data)
+
+
+# ------------------------------------------------------------------------------ page bytes
+
+
+def page_nbytes(codec: Codec, shapes: list[tuple[int, ...]], dtype: torch.dtype) -> int:
+    """Encoded bytes of one page (all buffers)."""
+    return sum(codec.encoded_nbytes((math.prod(s),), dtype) for s in shapes)
+
+
+def encode_pages(codec: Codec, data: list[torch.Tensor]) -> torch.Tensor:
+    """Per-buffer page tensors [n, *page_shape] -> [n, page_nbytes] uint8 (on data's device)."""
+    n = data[0].shape[0]
+    return torch.cat([codec.encode_rows(d.reshape(n, -1)) for d in data], dim=1)
+
+
+def decode_pages(codec: Codec, rows: torch.Tensor, shapes: list[tuple[int, ...]],
+                 dtype: torch.dtype) -> list[torch.Tensor]:
+    """Inverse of ``encode_pages``: [n, page_nbytes] uint8 -> per-buffer [n, *page_shape].
+    Lossless pages come back as views into ``rows`` (no copy: a buffer's bytes are a column
+    range whose offset and row stride are multiples of the element size)."""
+    n, out, off = rows.shape[0], [], 0
+    rows = rows.contiguous()
+    view = codec.name == "lossless" and rows.shape[1] % torch.empty((), dtype=dtype).element_size() == 0
+    for s in shapes:
+        m = math.prod(s)
+        b = codec.encoded_nbytes((m,), dtype)
+        if view:
+            out.append(rows[:, off : off + b].view(dtype).reshape(n, *s))
+        else:
+            out.append(codec.decode_rows(rows[:, off : off + b], m, dtype).reshape(n, *s))
+        off += b
+    if off != rows.shape[1]:
+        raise ValueError(f"page rows of {rows.shape[1]} bytes, layout needs {off}")
+    return out
+
+
+def check_codec(codec: Codec, shapes: list[tuple[int, ...]]) -> None:
+    for s in shapes:
+        if math.prod(s) % codec.block_size:
+            raise ValueError(f"KV codec {codec.tag}: a page buffer of {math.prod(s)} elements "
+                             f"{s} is not a multiple of its block size {codec.block_size}")
+
+
+# ------------------------------------------------------------------------------ sizing
+
+
+def default_disk_dir() -> Path:
+    """``$DEEPINFER_KV_CACHE_DIR``, else ``$DEEPINFER_CACHE_DIR/kv``, else ``~/.cache/deepinfer/kv``."""
+    if os.environ.get("DEEPINFER_KV_CACHE_DIR"):
+        return Path(os.environ["DEEPINFER_KV_CACHE_DIR"]).expanduser()
+    base = os.environ.get("DEEPINFER_CACHE_DIR")
+    return (Path(base).expanduser() if base else Path.home() / ".cache" / "deepinfer") / "kv"
+
+
+def available_memory() -> int | None:
+    """Bytes of RAM available to new allocations (Linux MemAvailable), None if unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+@dataclass
+class TierSizes:
+    host_bytes: int
+    disk_bytes: int
+
+
+def bounded_sizes(host_gb: float, disk_dir: str | None, disk_gb: float) -> TierSizes:
+    """Requested sizes, bounded: L2 by half the available RAM, L3 by what the disk can take
+    (its files already there plus half the free space)."""
+    host = int(host_gb * 2**30)
+    avail = available_memory()
+    if avail is not None:
+        host = min(host, avail // 2)
+    disk = int(disk_gb * 2**30) if disk_dir else 0
+    if disk_dir and disk:
+        probe = Path(disk_dir)
+        while not probe.exists() and probe != probe.parent:
+            probe = probe.parent
+        try:
+            free = shutil.disk_usage(probe).free
+            used = sum(f.stat().st_size for f in Path(disk_dir).glob("??/*.kv")) if Path(disk_dir).is_dir() else 0
+            disk = min(disk, used + free // 2)
+        except OSError:
+            pass
+    return TierSizes(max(0, host), max(0, disk))
+
+
+# ------------------------------------------------------------------------------ TierIO
+
+
+class TierIO(TierBackend):
+    """The engine's tier backend: codecs, host slots, disk files, background threads."""
+
+    FILE_OVERHEAD = 512  # header bytes per L3 file (an upper bound), for capacity in pages
+
+    def __init__(self, transfer: KVTransfer, page_size: int, namespace: str, *,
+                 host_bytes: int = 0, host_codec: str = "lossless",
+                 disk_dir: str | os.PathLike[str] | None = None, disk_bytes: int = 0,
+                 disk_codec: str = "lossless", max_pending_bytes: int = 1 << 30,
+                 loaders: int = 2, read_ahead: int = 4) -> None:
+        self.transfer = transfer
+        self.page_size = page_size
+        self.shapes = transfer.shapes
+        self.dtype = transfer.dtype
+        self.device = transfer.device
+        self.cuda = self.device.type == "cuda"
+        self.host_codec = get_codec(host_codec)
+        self.disk_codec = get_codec(disk_codec)
+        use_host = host_bytes > 0
+        use_disk = disk_dir is not None and disk_bytes > 0
+        if use_host:
+            check_codec(self.host_codec, self.shapes)
+        if use_disk:
+            check_codec(self.disk_codec, self.shapes)
+        self.host_page_nbytes = page_nbytes(self.host_codec, self.shapes, self.dtype) if use_host else 0
+        self.disk_page_nbytes = page_nbytes(self.disk_codec, self.shapes, self.dtype) if use_disk else 0
+        self.host: HostStore | None = None
+        host_pages = host_bytes // self.host_page_nbytes if use_host else 0
+        if host_pages:
+            self.host = HostStore(host_pages * self.host_page_nbytes, self.host_page_nbytes,
+                                  pin_memory=self.cuda)
+            host_pages = self.host.num_slots
+        self.store: DiskStore | None = None
+        disk_pages = 0
+        self.namespace = f"{namespace}|codec={self.disk_codec.tag}"
+        if use_disk:
+            self.store = DiskStore(disk_dir, disk_bytes, self.namespace)
+            disk_pages = disk_bytes // (self.disk_page_nbytes + self.FILE_OVERHEAD)
+        super().__init__(host_pages, disk_pages, codec_tag=self.disk_codec.tag)
+        self.max_pending_bytes = max_pending_bytes
+        self._lock = threading.Lock()
+        self._cv = threading.Condition(self._lock)
+        self._host_pending: dict[int, Future] = {}  # slot -> its latest write
+        self._disk_pending: dict[str, Future] = {}  # key -> its write (done when on disk)
+        self._pending_bytes = 0
+        self._failed: deque[str] = deque()
+        self._host_exec = ThreadPoolExecutor(1, thread_name_prefix="deepinfer-l2-writer")
+        self._disk_exec = ThreadPoolExecutor(1, thread_name_prefix="deepinfer-l3-writer")
+        self._load_exec = ThreadPoolExecutor(loaders, thread_name_prefix="deepinfer-kv-loader")
+        self.read_ahead = read_ahead  # L3 files a load reads at once (queue depth; checksums on all cores)
+        self._io_exec = ThreadPoolExecutor(read_ahead, thread_name_prefix="deepinfer-l3-reader")
+        self._loads_running = 0
+        self._closed = False
+        self.counters = dict.fromkeys(
+            ["host_bytes_written", "host_bytes_read", "disk_bytes_written", "disk_bytes_read",
+             "host_pages_written", "host_pages_read", "disk_pages_written", "disk_pages_read",
+             "disk_writes_dropped", "disk_write_errors", "load_errors"], 0)  # fmt: skip
+        self._side = torch.cuda.Stream(self.device) if self.cuda else None
+        _live.add(self)
+
+    # ---------------------------------------------------------------- keys
+    def disk_key(self, page_hash: bytes) -> str:
+        return disk_key(page_hash, self.disk_codec.tag)
+
+    # ---------------------------------------------------------------- L2 slots
+    def host_alloc(self, n: int) -> list[int] | None:
+        if self.host is None or n > self.host.num_free:
+            return None
+        return [self.host.alloc() for _ in range(n)]  # type: ignore[misc]
+
+    def host_free(self, slots: list[int]) -> None:
+        assert self.host is not None
+        for s in slots:
+            self.host.free(s)
+
+    # ---------------------------------------------------------------- capture
+    def _capture(self, pages: list[int]) -> tuple[list[torch.Tensor], Any]:
+        """Copy L1 pages out now (they are freed right after); an event marks the copy on CUDA."""
+        data = self.transfer.read_pages(pages)
+        ev = None
+        if self.cuda:
+            ev = torch.cuda.Event()
+            ev.record()
+        return data, ev
+
+    def _encode_on_side(self, codec: Codec, data: list[torch.Tensor], ev: Any) -> torch.Tensor:
+        """Encode captured pages (writer thread) into host rows (for files)."""
+        if not self.cuda:
+            return encode_pages(codec, data)
+        with torch.cuda.stream(self._side):
+            self._side.wait_event(ev)
+            rows = encode_pages(codec, data).cpu()  # synchronous on the side stream only
+        return rows
+
+    # ---------------------------------------------------------------- L1 -> L2
+    def device_to_host(self, pages: list[int], slots: list[int]) -> None:
+        assert self.host is not None
+        data, ev = self._capture(pages)
+        fut = self._host_exec.submit(self._write_host, data, ev, slots)
+        with self._lock:
+            for s in slots:
+                self._host_pending[s] = fut
+
+    def _write_host(self, data: list[torch.Tensor], ev: Any, slots: list[int]) -> None:
+        assert self.host is not None
+        if self.cuda:  # encode on the device, then async copies into the pinned slots
+            with torch.cuda.stream(self._side):
+                self._side.wait_event(ev)
+                rows = encode_pages(self.host_codec, data)
+                for i, s in enumerate(slots):
+                    self.host.write(s, rows[i], non_blocking=True)
+            self._side.synchronize()
+        else:
+            rows = encode_pages(self.host_codec, data)
+            self.host.write_rows(slots, rows)
+        with self._lock:
+            self.counters["host_bytes_written"] += rows.numel()
+            self.counters["host_pages_written"] += len(slots)
+
+    def _read_host(self, slots: list[int], wait: bool = True) -> torch.Tensor:
+        """A copy of L2 slots as rows. ``wait``: first wait for the slots' pending writes (a
+        loader: the slots belong to a locked node, so their latest write is this node's). The
+        host writer itself reads with ``wait=False``: the FIFO order already put the slots'
+        own writes before it, and a pending write there is a *later* reuse of a freed slot,
+        queued behind it."""
+        assert self.host is not None
+        if wait:
+            with self._lock:
+                futs = {self._host_pending.get(s) for s in slots} - {None}
+            for f in futs:
+                f.result()
+        rows = self.host.read_rows(slots) if wait else self.host.read_raw(slots, self.host_page_nbytes)
+        with self._lock:
+            for s in slots:
+                f = self._host_pending.get(s)
+                if f is not None and f.done():
+                    del self._host_pending[s]
+            self.counters["host_bytes_read"] += rows.numel()
+            self.counters["host_pages_read"] += len(slots)
+        return rows
+
+    # ---------------------------------------------------------------- -> L3
+    def _reserve_disk(self, keys: list[str]) -> Future | None:
+        need = len(keys) * self.disk_page_nbytes
+        with self._lock:
+            if self.store is None or self._closed or self._pending_bytes + need > self.max_pending_bytes:
+                self.counters["disk_writes_dropped"] += len(keys)
+                return None
+            self._pending_bytes += need
+            fut: Future = Future()
+            for k in keys:
+                self._disk_pending[k] = fut
+        return fut
+
+    def device_to_disk(self, pages: list[int], keys: list[str]) -> bool:
+        fut = self._reserve_disk(keys)
+        if fut is None:
+            return False
+        data, ev = self._capture(pages)
+        self._disk_exec.submit(self._write_disk, keys, fut,
+                               lambda: self._encode_on_side(self.disk_codec, data, ev))
+        return True
+
+    def host_to_disk(self, slots: list[int], keys: list[str]) -> bool:
+        assert self.host is not None
+        fut = self._reserve_disk(keys)
+        if fut is None:
+            return False
+        # Read on the (FIFO) host writer: after the slots' own pending writes, before any
+        # later write that reuses them once the caller frees them.
+        rows_f = self._host_exec.submit(self._read_host_for_disk, slots)
+        self._disk_exec.submit(self._write_disk, keys, fut, rows_f.result)
+        return True
+
+    def _read_host_for_disk(self, slots: list[int]) -> torch.Tensor:
+        rows = self._read_host(slots, wait=False)
+        if self.host_codec.tag == self.disk_codec.tag:
+            return rows
+        data = decode_pages(self.host_codec, rows, self.shapes, self.dtype)
+        return encode_pages(self.disk_codec, data)
+
+    def _write_disk(self, keys: list[str], fut: Future, produce: Any) -> None:
+        assert self.store is not None
+        ok = [False] * len(keys)
+        try:
+            rows = produce().cpu().numpy()
+            for i, k in enumerate(keys):
+                ok[i] = self.store.put(k, rows[i].tobytes(), self.page_size)
+        except Exception:  # noqa: BLE001 - a cache write must never take the engine down
+            log.exception("L3 write of %d pages failed", len(keys))
+        with self._lock:
+            self._pending_bytes -= len(keys) * self.disk_page_nbytes
+            for k, good in zip(keys, ok):
+                if self._disk_pending.get(k) is fut:
+                    del self._disk_pending[k]
+                if good:
+                    self.counters["disk_pages_written"] += 1
+                    self.counters["disk_bytes_written"] += self.disk_page_nbytes
+                else:
+                    self.counters["disk_write_errors"] += 1
+                    self._failed.append(k)
+        fut.set_result(None)
+
+    def poll_failed_writes(self) -> list[str]:
+        out = []
+        while self._failed:
+            out.append(self._failed.popleft())
+        return out
+
+    # ---------------------------------------------------------------- loads
+    def disk_contains(self, key: str) -> bool:
+        if self.store is None:
+            return False
+        with self._lock:
+            if key in self._disk_pending:
+                return True
+        return self.store.contains(key)
+
+    def start_load(self, job: LoadJob) -> None:
+        with self._lock:
+            self._loads_running += 1
+        self._load_exec.submit(self._run_load, job)
+
+    def _disk_get(self, key: str) -> memoryview | None:
+        assert self.store is not None
+        with self._lock:
+            fut = self._disk_pending.get(key)
+        if fut is not None:
+            fut.result()  # written meanwhile (or failed: then the get misses)
+        b = self.store.get(key, view=True)
+        return b if b is not None and len(b) == self.disk_page_nbytes else None
+
+    def _disk_get_many(self, keys: list[str], job: LoadJob) -> list[memoryview]:
+        """The leading run of ``keys`` whose files read back intact, in order: up to
+        ``read_ahead`` reads in flight, stopping at the first miss (the reads past it are
+        wasted, and cheap)."""
+        out: list[memoryview] = []
+        futs: deque = deque()
+        nxt = 0
+        while nxt < len(keys) and len(futs) < self.read_ahead:
+            futs.append(self._io_exec.submit(self._disk_get, keys[nxt]))
+            nxt += 1
+        while futs:
+            b = futs.popleft().result()
+            if b is None or job.cancelled:
+                for f in futs:
+                    f.cancel()
+                break
+            out.append(b)
+            if nxt < len(keys):
+                futs.append(self._io_exec.submit(self._disk_get, keys[nxt]))
+                nxt += 1
+        return out
+
+    def _run_load(self, job: LoadJob) -> None:
+        runs: list[tuple[int, Any]] = []  # (tier, rows) in chain order
+        tiers: list[int] = []
+        try:
+            i = 0
+            src = job.sources
+            while i < len(src) and not job.cancelled:
+                tier = src[i][0]
+                j = i
+                while j < len(src) and src[j][0] == tier:
+                    j += 1
+                if tier == HOST:
+                    runs.append((HOST, self._read_host([s for _, s in src[i:j]])))
+                    tiers += [HOST] * (j - i)
+                else:
+                    keys = [k for _, k in src[i:j]]
+                    got = self._disk_get_many(keys, job)
+                    if got:
+                        runs.append((DISK, got))
+                        tiers += [DISK] * len(got)
+                    if len(got) < len(keys):
+                        job.failed_at = len(tiers)
+                        break
+                i = j
+            if job.failed_at is None and not job.cancelled and job.probe:
+                got = self._disk_get_many(job.probe, job)
+                if got:
+                    runs.append((DISK, got))
+                    tiers += [DISK] * len(got)
+            if not job.cancelled and tiers:
+                job.data = self._decode_runs(runs)
+                job.page_tiers = tiers
+                job.num_loaded = len(tiers)
+        except Exception:  # noqa: BLE001 - a failed load is a miss, never an error
+            log.exception("KV load failed")
+            with self._lock:
+                self.counters["load_errors"] += 1
+            job.data, job.num_loaded, job.page_tiers = None, 0, []
+            if job.failed_at is None and job.sources:
+                job.failed_at = 0
+        job.seconds = time.perf_counter() - job.t_start
+        disk_runs = [rs for t, rs in runs if t == DISK]
+        with self._cv:
+            self.counters["disk_pages_read"] += sum(len(rs) for rs in disk_runs)
+            self.counters["disk_bytes_read"] += sum(len(r) for rs in disk_runs for r in rs)
+            job.done = True
+            self._loads_running -= 1
+            self._cv.notify_all()
+
+    def _decode_runs(self, runs: list[tuple[int, Any]]) -> list[torch.Tensor]:
+        """Encoded runs (L2 rows, or L3 payloads) -> per-buffer page tensors on the device."""
+        parts: list[list[torch.Tensor]] = []
+        with torch.cuda.stream(self._side) if self.cuda else contextlib.nullcontext():
+            for tier, rows in runs:
+                if tier == DISK:  # payload views -> one [n, nbytes] tensor (the one copy)
+                    buf = np.empty((len(rows), self.disk_page_nbytes), dtype=np.uint8)
+                    for r, b in enumerate(rows):
+                        buf[r] = np.frombuffer(b, dtype=np.uint8)
+                    rows = torch.from_numpy(buf)
+                codec = self.host_codec if tier == HOST else self.disk_codec
+                if self.cuda:
+                    rows = rows.pin_memory().to(self.device, non_blocking=True)
+                parts.append(decode_pages(codec, rows, self.shapes, self.dtype))
+            out = [torch.cat([p[c] for p in parts]) if len(parts) > 1 else parts[0][c]
+                   for c in range(len(self.shapes))]
+        if self.cuda:
+            self._side.synchronize()  # the main thread's copy into L1 runs on its own stream
+        return out
+
+    def finish_load(self, job: LoadJob, pages: list[int]) -> None:
+        n = len(pages)
+        if self.cuda:  # made on the side stream, read on this one: keep the memory until then
+            for d in job.data:
+                d.record_stream(torch.cuda.current_stream(self.device))
+        self.transfer.write_pages(pages, [d[:n] for d in job.data])
+        for t in job.page_tiers[:n]:
+            self.moved["host->device" if t == HOST else "disk->device"] += 1
+
+    def drop_load(self, job: LoadJob) -> None:
+        job.data = None
+
+    def wait(self, timeout: float | None = None) -> bool:
+        with self._cv:
+            if self._loads_running == 0:
+                return False
+            self._cv.wait(timeout)
+            return True
+
+    # ---------------------------------------------------------------- lifecycle
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait for every queued L2 and L3 write (not loads) to land."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            self._host_exec.submit(lambda: None).result(timeout)
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            self._disk_exec.submit(lambda: None).result(left)
+        except Exception:  # noqa: BLE001 - timeout, or executors already shut down
+            return False
+        return True
+
+    def close(self, timeout: float | None = None) -> bool:
+        """Flush pending writes, stop the threads. Idempotent."""
+        if self._closed:
+            return True
+        ok = self.flush(timeout)
+        with self._lock:
+            self._closed = True
+        for ex in (self._host_exec, self._disk_exec, self._load_exec, self._io_exec):
+            ex.shutdown(wait=ok, cancel_futures=not ok)
+        if self.store is not None:
+            self.store.close()
+        _live.discard(self)
+        return ok
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            c = dict(self.counters)
+            pending = self._pending_bytes
+        out: dict[str, Any] = {**c, "disk_pending_bytes": pending, "pages_moved": dict(self.moved),
+                               "host_codec": self.host_codec.tag, "disk_codec": self.disk_codec.tag,
+                               "host_page_bytes": self.host_page_nbytes,
+                               "disk_page_bytes": self.disk_page_nbytes}
+        if self.host is not None:
+            out["host"] = self.host.stats()
+        if self.store is not None:
+            out["disk"] = self.store.stats()
+            out["disk_dir"] = self.store.path
+        return out
+
+
+_live: weakref.WeakSet[TierIO] = weakref.WeakSet()
+
+
+@atexit.register
+def _flush_at_exit() -> None:
+    """An engine that was not shut down still gets its queued L3 writes to disk."""
+    for io in list(_live):
+        try:
+            io.close(timeout=60)
+        except Exception:  # noqa: BLE001
+            pass

@@ -1,0 +1,199 @@
+"""TierIO: pages between a real PagePool, L2 host slots and L3 files, through the codecs."""
+
+from __future__ import annotations
+
+import errno
+import os
+import time
+
+import pytest
+import torch
+
+from deepinfer.kv.codecs import get_codec
+from deepinfer.kv.layout import KVSpec
+from deepinfer.kv.pool import PagePool
+from deepinfer.kv.radix import DISK, HOST
+from deepinfer.kv.tier_policy import LoadJob
+from deepinfer.kv.tiers import PoolTransfer, TierIO, decode_pages, encode_pages, page_nbytes
+
+PS = 4
+SPECS = [KVSpec.gqa(2, 16), KVSpec.gqa(2, 16, share_with=0), KVSpec((("kv", (1, 48)),))]
+
+
+def pool(seed=0):
+    p = PagePool(SPECS, 16, PS, torch.float32, torch.device("cpu"))
+    g = torch.Generator().manual_seed(seed)
+    for b in p.owned_buffers():
+        b.copy_(torch.randn(b.shape, generator=g))
+    return p
+
+
+def io(p, tmp_path=None, **kw):
+    args = dict(host_bytes=1 << 20, disk_dir=tmp_path, disk_bytes=(1 << 24) if tmp_path else 0)
+    args.update(kw)
+    return TierIO(PoolTransfer(p), PS, "model-x", **args)
+
+
+def wait_done(job, timeout=30):
+    t0 = time.monotonic()
+    while not job.done:
+        assert time.monotonic() - t0 < timeout
+        time.sleep(0.005)
+
+
+def pages_equal(a, b, pages_a, pages_b, atol=0.0):
+    for x, y in zip(a.owned_buffers(), b.owned_buffers()):
+        assert torch.allclose(x[pages_a], y[pages_b], atol=atol, rtol=0), (x[pages_a] - y[pages_b]).abs().max()
+
+
+@pytest.mark.parametrize("name", ["lossless", "fp8", "fp4", "mxfp4"])
+def test_encode_decode_pages_per_buffer(name):
+    p = pool()
+    codec = get_codec(name)
+    data = p.read_pages([1, 2, 3])
+    rows = encode_pages(codec, data)
+    shapes = PoolTransfer(p).shapes
+    assert rows.shape == (3, page_nbytes(codec, shapes, torch.float32))
+    out = decode_pages(codec, rows, shapes, torch.float32)
+    for d, o in zip(data, out):
+        assert o.shape == d.shape
+        if name == "lossless":
+            assert torch.equal(o, d)
+        else:  # each buffer scaled on its own: error relative to that buffer's page amax
+            tol = {"fp8": 0.07, "fp4": 0.35, "mxfp4": 0.35}[name]
+            assert ((o - d).abs().amax(dim=(1, 2, 3)) <= tol * d.abs().amax(dim=(1, 2, 3))).all()
+    # row i is page i alone: encoding pages one at a time gives the same bytes
+    assert torch.equal(rows[1], encode_pages(codec, [d[1:2] for d in data])[0])
+
+
+def test_host_roundtrip_and_pending_writes_are_waited_for():
+    src = pool(0)
+    t = io(src, host_codec="lossless")
+    slots = t.host_alloc(3)
+    t.device_to_host([1, 2, 3], slots)
+    src.owned_buffers()[0][1:4] = 0  # the copy was captured before device_to_host returned
+    job = LoadJob(sources=[(HOST, s) for s in slots])
+    t.start_load(job)
+    wait_done(job)
+    assert job.num_loaded == 3 and job.page_tiers == [HOST] * 3
+    t.finish_load(job, [5, 6, 7])  # into the backend's own pool
+    pages_equal(pool(0), src, [1, 2, 3], [5, 6, 7])
+    s = t.stats()
+    assert s["host_pages_written"] == 3 and s["host_pages_read"] == 3
+    assert s["host_bytes_written"] == 3 * t.host_page_nbytes
+    t.close()
+
+
+def test_disk_write_through_then_a_fresh_backend_finds_pages_by_key(tmp_path):
+    src, dst = pool(0), pool(1)
+    a = io(src, tmp_path, host_bytes=0)
+    keys = [a.disk_key(bytes([i]) * 16) for i in range(4)]
+    assert a.device_to_disk([1, 2, 3, 4], keys)
+    assert a.disk_contains(keys[0])  # pending counts as present, and a load waits for it
+    job = LoadJob(sources=[], probe=keys)
+    a.start_load(job)
+    wait_done(job)
+    assert job.num_loaded == 4
+    assert a.close()
+    b = io(dst, tmp_path, host_bytes=0)  # "another process": empty state, same directory
+    assert b.disk_contains(keys[2])
+    job = LoadJob(sources=[], probe=keys + [a.disk_key(b"\x09" * 16)])
+    b.start_load(job)
+    wait_done(job)
+    assert job.num_loaded == 4 and job.failed_at is None  # the probe stops at the first miss
+    b.finish_load(job, [8, 9, 10, 11])
+    pages_equal(pool(0), dst, [1, 2, 3, 4], [8, 9, 10, 11])
+    assert b.stats()["disk_bytes_read"] > 0
+    b.close()
+
+
+def test_l2_to_l3_transcodes_between_codecs(tmp_path):
+    src = pool(0)
+    t = io(src, tmp_path, host_codec="lossless", disk_codec="fp8")
+    slots = t.host_alloc(2)
+    t.device_to_host([1, 2], slots)
+    keys = [t.disk_key(b"\x01" * 16), t.disk_key(b"\x02" * 16)]
+    assert t.host_to_disk(slots, keys)
+    t.host_free(slots)  # freed at once: the read happens first (FIFO host worker)
+    s2 = t.host_alloc(2)
+    t.device_to_host([5, 6], s2)  # reuses the slots
+    assert t.flush()
+    job = LoadJob(sources=[(DISK, k) for k in keys])
+    t.start_load(job)
+    wait_done(job)
+    assert job.num_loaded == 2
+    t.finish_load(job, [7, 8])
+    pages_equal(pool(0), src, [1, 2], [7, 8], atol=0.3)
+    t.close()
+
+
+def test_failed_and_dropped_writes(tmp_path, monkeypatch):
+    import deepinfer.kv.disk_store as ds
+
+    p = pool()
+    t = io(p, tmp_path, host_bytes=0)
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(ds.os, "fsync", full)
+    keys = [t.disk_key(bytes([i]) * 16) for i in range(2)]
+    assert t.device_to_disk([1, 2], keys)
+    assert t.flush()
+    assert sorted(t.poll_failed_writes()) == sorted(keys)
+    assert t.stats()["disk_write_errors"] == 2
+    assert not [f for f in tmp_path.rglob("*") if f.is_file()]  # temp files removed
+    monkeypatch.undo()
+    tiny = io(p, tmp_path, host_bytes=0, max_pending_bytes=10)
+    assert not tiny.device_to_disk([1], [keys[0]])
+    assert tiny.stats()["disk_writes_dropped"] == 1
+    t.close()
+    tiny.close()
+
+
+def test_corrupt_file_stops_the_load_and_is_counted(tmp_path):
+    p = pool()
+    t = io(p, tmp_path, host_bytes=0)
+    keys = [t.disk_key(bytes([i]) * 16) for i in range(3)]
+    t.device_to_disk([1, 2, 3], keys)
+    t.flush()
+    f = tmp_path / keys[1][:2] / f"{keys[1]}.kv"
+    data = bytearray(f.read_bytes())
+    data[-5] ^= 0xFF
+    f.write_bytes(bytes(data))
+    job = LoadJob(sources=[(DISK, k) for k in keys])
+    t.start_load(job)
+    wait_done(job)
+    assert job.num_loaded == 1 and job.failed_at == 1
+    assert t.stats()["disk"]["checksum_failures"] == 1 and not f.exists()
+    t.close()
+
+
+def test_unusable_directory_degrades_to_misses(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    p = pool()
+    t = io(p, blocker / "kv", host_bytes=0)
+    k = t.disk_key(b"\x01" * 16)
+    assert t.device_to_disk([1], [k])
+    t.flush()
+    assert t.poll_failed_writes() == [k] and not t.disk_contains(k)
+    t.close()
+
+
+def test_codec_block_must_divide_page_buffers():
+    p = PagePool([KVSpec.gqa(1, 3)], 4, 1, torch.float32, torch.device("cpu"))  # 3 elements/page
+    with pytest.raises(ValueError, match="block size"):
+        TierIO(PoolTransfer(p), 1, "m", host_bytes=1 << 20, host_codec="fp8")
+
+
+def test_close_flushes_and_is_idempotent(tmp_path):
+    p = pool()
+    t = io(p, tmp_path, host_bytes=0)
+    keys = [t.disk_key(bytes([i]) * 16) for i in range(8)]
+    for i, k in enumerate(keys):
+        t.device_to_disk([1 + i], [k])
+    assert t.close() and t.close()
+    assert len(list(tmp_path.glob("??/*.kv"))) == 8
+    assert not t.device_to_disk([1], [t.disk_key(b"\x77" * 16)])  # closed: refused, not raised
+    assert os.path.isdir(tmp_path)
