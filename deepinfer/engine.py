@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 
 from .config import EngineConfig
 from .errors import RequestError
-from .kv.cache_manager import KVCacheManager
 from .kv.layout import describe
 from .kv.radix import TIER_NAMES
 from .kv.tier_policy import TierPolicy
