@@ -35,7 +35,7 @@ from ..layers.moe import MoEBlock, StackedExperts, dispatch_experts
 from ..layers.norm import RMSNorm
 from ..layers.rotary import RotaryEmbedding, rope_inv_freq
 from .base import CausalLM
-from .llama import LlamaMLP
+from .llama import DecoderLayer, LlamaMLP
 
 
 def yarn_softmax_scale(config, head_dim: int) -> float:
@@ -191,22 +191,15 @@ class DeepseekMoE(MoEBlock):
         raise ValueError(f"unknown expert projection {proj!r}")
 
 
-class DeepseekDecoderLayer(nn.Module):
-    def __init__(self, config, layer_idx: int, rotary: RotaryEmbedding, version: int,
-                 deinterleave: bool) -> None:
-        super().__init__()
-        self.self_attn = MLAttention(config, layer_idx, rotary, deinterleave)
-        if layer_idx >= (config.first_k_dense_replace or 0) and config.n_routed_experts:
-            self.mlp = DeepseekMoE(config, layer_idx, version)
-        else:
-            self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size,
-                                getattr(config, "mlp_bias", False))
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: dict[str, torch.Tensor]) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), batch, kv)
-        return x + self.mlp(self.post_attention_layernorm(x))
+def deepseek_layer(config, layer_idx: int, rotary: RotaryEmbedding, version: int,
+                   deinterleave: bool) -> DecoderLayer:
+    """MLA attention; MoE after the first ``first_k_dense_replace`` dense layers."""
+    if layer_idx >= (config.first_k_dense_replace or 0) and config.n_routed_experts:
+        mlp = DeepseekMoE(config, layer_idx, version)
+    else:
+        mlp = LlamaMLP(config.hidden_size, config.intermediate_size,
+                       getattr(config, "mlp_bias", False))
+    return DecoderLayer(config, MLAttention(config, layer_idx, rotary, deinterleave), mlp)
 
 
 class DeepseekModel(nn.Module):
@@ -218,7 +211,7 @@ class DeepseekModel(nn.Module):
         rotary = RotaryEmbedding(inv_freq, max_positions, scaling, interleaved=version == 2)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DeepseekDecoderLayer(config, i, rotary, version, deinterleave)
+            deepseek_layer(config, i, rotary, version, deinterleave)
             for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

@@ -20,7 +20,7 @@ from ..layers.moe import MoEBlock, dispatch_experts
 from ..layers.norm import RMSNorm
 from ..layers.rotary import RotaryEmbedding, rope_inv_freq
 from .base import CausalLM
-from .llama import layer_window
+from .llama import DecoderLayer, layer_window
 
 
 class GptOssAttention(nn.Module):
@@ -90,19 +90,6 @@ class GptOssMoE(MoEBlock):
         return out
 
 
-class GptOssDecoderLayer(nn.Module):
-    def __init__(self, config, layer_idx: int, rotary: RotaryEmbedding) -> None:
-        super().__init__()
-        self.self_attn = GptOssAttention(config, layer_idx, rotary)
-        self.mlp = GptOssMoE(config, layer_idx)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: dict[str, torch.Tensor]) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), batch, kv)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-
 class GptOssModel(nn.Module):
     def __init__(self, config, max_positions: int) -> None:
         super().__init__()
@@ -110,7 +97,8 @@ class GptOssModel(nn.Module):
         rotary = RotaryEmbedding(inv_freq, max_positions, scaling)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            GptOssDecoderLayer(config, i, rotary) for i in range(config.num_hidden_layers))
+            DecoderLayer(config, GptOssAttention(config, i, rotary), GptOssMoE(config, i))
+            for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 

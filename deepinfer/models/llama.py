@@ -126,12 +126,14 @@ class LlamaMLP(nn.Module):
         return self.down_proj(nn.functional.silu(gate) * up)
 
 
-class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, layer_idx: int, rotary: RotaryEmbedding) -> None:
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block shared by the Llama, DeepSeek and gpt-oss families; each family
+    supplies its own attention and MLP (dense or MoE)."""
+
+    def __init__(self, config, self_attn: nn.Module, mlp: nn.Module) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_idx, rotary)
-        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size,
-                            getattr(config, "mlp_bias", False))
+        self.self_attn = self_attn
+        self.mlp = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -148,7 +150,10 @@ class LlamaModel(nn.Module):
         rotary = RotaryEmbedding(inv_freq, max_positions, scaling)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, rotary) for i in range(config.num_hidden_layers))
+            DecoderLayer(config, LlamaAttention(config, i, rotary),
+                         LlamaMLP(config.hidden_size, config.intermediate_size,
+                                  getattr(config, "mlp_bias", False)))
+            for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
