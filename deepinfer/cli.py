@@ -86,16 +86,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
         outs = llm.generate(prompts, params)
     for prompt, out in zip(prompts, outs):
         print(f"### {prompt}\n{out.text}")
-        print(f"[prompt {out.num_prompt_tokens} tokens: {out.num_cached_tokens} cached "
-              f"{_tiers_text(out.cached_tokens_by_tier)}, {out.num_computed_tokens} computed; "
-              f"{len(out.token_ids)} generated, finish={out.finish_reason}]", file=sys.stderr)
+        print(f"[{_cache_line(out)}, finish={out.finish_reason}]", file=sys.stderr)
     llm.engine.shutdown()
     return 0
 
 
-def _tiers_text(by_tier: dict[str, int]) -> str:
-    parts = [f"{t} {n}" for t, n in by_tier.items() if n]
-    return f"({', '.join(parts)})" if parts else ""
+def _cache_line(out) -> str:
+    """Where a request's prompt tokens came from, for the per-request summary line."""
+    parts = [f"{t} {n}" for t, n in out.cached_tokens_by_tier.items() if n]
+    tiers = f" ({', '.join(parts)})" if parts else ""
+    return (f"prompt {out.num_prompt_tokens} tokens: {out.num_cached_tokens} cached{tiers}, "
+            f"{out.num_computed_tokens} computed; {len(out.token_ids)} generated")
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
@@ -116,9 +117,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
         out = llm.generate(session.next_prompt(line), params)[0]
         session.add_reply(out.token_ids, out.text)
         print(f"assistant> {out.text}")
-        print(f"[turn: prompt {out.num_prompt_tokens} tokens, {out.num_cached_tokens} cached "
-              f"{_tiers_text(out.cached_tokens_by_tier)}, {out.num_computed_tokens} computed, "
-              f"{len(out.token_ids)} generated, {time.perf_counter() - t0:.2f}s]", file=sys.stderr)
+        print(f"[turn: {_cache_line(out)}, {time.perf_counter() - t0:.2f}s]", file=sys.stderr)
     llm.engine.shutdown()
     return 0
 
