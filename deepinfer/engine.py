@@ -176,16 +176,18 @@ class LLMEngine:
         elif tok in p.stop_token_ids:
             req.stop_reason = tok
             self.scheduler.finish(req, "stop")
-        elif p.stop and any(s in self._tail_text(req, s) for s in p.stop):
-            req.stop_reason = next(s for s in p.stop if s in self._tail_text(req, s))
+        elif p.stop and (hit := self._stop_string(req)) is not None:
+            req.stop_reason = hit
             self.scheduler.finish(req, "stop")
         elif len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
             self.scheduler.finish(req, "length")
 
-    def _tail_text(self, req: Request, stop: str) -> str:
-        # A stop string can only end in the newest token; decode just enough tokens to see it.
-        n = min(len(req.output_token_ids), len(stop) + 4)
-        return self.tokenizer.decode(req.output_token_ids[-n:], skip_special_tokens=False)
+    def _stop_string(self, req: Request) -> str | None:
+        # A stop string can only end in the newest token (an earlier one would have stopped
+        # the request already): decode just enough tail tokens, once, to see the longest.
+        n = min(len(req.output_token_ids), max(map(len, req.params.stop)) + 4)
+        tail = self.tokenizer.decode(req.output_token_ids[-n:], skip_special_tokens=False)
+        return next((s for s in req.params.stop if s in tail), None)
 
     # ------------------------------------------------------------------ outputs
     def output_text(self, req: Request) -> str:
