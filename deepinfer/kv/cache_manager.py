@@ -269,14 +269,16 @@ class KVCacheManager:
         full = req.num_computed_tokens // self.page_size
         if full <= req.num_tree_pages:
             return
+        ps, own = self.page_size, req.num_tree_pages
         tokens = req.all_token_ids
-        self.update_hashes(req, tokens[: full * self.page_size])
-        m, kept = self.tree.insert(req.page_hashes[:full], tokens[: full * self.page_size],
-                                   DEVICE, req.pages[:full])
-        for i in range(req.num_tree_pages, full):
-            if kept[i] != req.pages[i]:  # the tree already had this page: drop our copy
+        self.update_hashes(req, tokens[: full * ps])
+        # only the new pages: the request's first ``own`` pages are the tree's, below its lock
+        m, kept = self.tree.insert(req.page_hashes[own:full], tokens[own * ps : full * ps],
+                                   DEVICE, req.pages[own:full], below=req.locked_node)
+        for i, page in enumerate(kept, start=own):
+            if page != req.pages[i]:  # the tree already had this page: drop our copy
                 self.allocator.free([req.pages[i]])
-                req.pages[i] = kept[i]
+                req.pages[i] = page
         self.tree.lock(m.last)
         self.tree.unlock(req.locked_node)
         req.locked_node = m.last

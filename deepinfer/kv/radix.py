@@ -79,13 +79,15 @@ class RadixTree:
         self.pages_in_tier = [0] * NUM_TIERS
 
     # ------------------------------------------------------------------ lookup
-    def match(self, hashes: Sequence[bytes], touch: bool = True, count_hit: bool = True) -> Match:
+    def match(self, hashes: Sequence[bytes], touch: bool = True, count_hit: bool = True,
+              start: Node | None = None) -> Match:
         """Longest cached prefix of ``hashes`` (in whole pages), splitting a node where it ends.
 
         ``touch`` refreshes the path's LRU age; ``count_hit`` also counts a hit on every node
-        of the path (what the ``selective`` tier policy looks at)."""
+        of the path (what the ``selective`` tier policy looks at). ``start`` matches below
+        that node instead of the root (``hashes`` then continue its chain)."""
         path: list[Node] = []
-        node, i = self.root, 0
+        node, i = start or self.root, 0
         while i < len(hashes):
             child = node.children.get(hashes[i])
             if child is None:
@@ -114,16 +116,22 @@ class RadixTree:
         tokens: Sequence[int] | None,
         tier: int,
         values: Sequence[Any],
+        below: Node | None = None,
     ) -> tuple[Match, list[Any]]:
         """Insert a page chain whose pages are held in ``tier`` at ``values`` (one per page).
 
-        Returns the match of the full chain and, per page, the value the tree keeps: the
-        caller's value where the tree adopted it (new node, or an existing node that lacked
-        this tier), the tree's own value where it already held the page in that tier (the
-        caller then drops its duplicate copy).
+        ``below`` (default: the root) is a node the chain continues: a request that already
+        owns a prefix in the tree inserts only its new pages, so a long sequence growing page
+        by page does not re-walk its whole prefix each time. The LRU age of the whole path
+        from the root is refreshed either way.
+
+        Returns the match of the chain (nodes below ``below``) and, per page, the value the
+        tree keeps: the caller's value where the tree adopted it (new node, or an existing node
+        that lacked this tier), the tree's own value where it already held the page in that
+        tier (the caller then drops its duplicate copy).
         """
         assert len(values) == len(hashes)
-        m = self.match(hashes, touch=False)
+        m = self.match(hashes, touch=False, start=below)
         kept: list[Any] = []
         for node in m.path:
             off = len(kept)
@@ -132,7 +140,7 @@ class RadixTree:
                 self.pages_in_tier[tier] += node.num_pages
                 self._push_candidate(node)
             kept.extend(node.tiers[tier])
-        parent = m.last or self.root
+        parent = m.last or below or self.root
         i = m.num_pages
         while i < len(hashes):
             j = min(len(hashes), i + self.max_node_pages)
@@ -149,7 +157,12 @@ class RadixTree:
             kept.extend(node.tiers[tier])
             parent, i = node, j
         m.num_pages = len(hashes)
-        self._touch(m.path)
+        ancestors = []
+        node = below
+        while node is not None and node is not self.root:
+            ancestors.append(node)
+            node = node.parent
+        self._touch(ancestors[::-1] + m.path)
         return m, kept
 
     def add_tier(self, node: Node, tier: int, values: list[Any]) -> None:

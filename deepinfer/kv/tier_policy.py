@@ -277,7 +277,7 @@ class TierManager:
 
     # ---------------------------------------------------------------- write-through
     def after_insert(self, path: list[Node]) -> None:
-        """A request's pages were adopted by the tree (``path`` from the root, all in L1)."""
+        """Nodes of a request's pages were adopted by the tree (``path``, all in L1)."""
         if not self.has_disk:
             return
         for node in path:

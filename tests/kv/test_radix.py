@@ -94,6 +94,25 @@ def test_max_node_pages_caps_node_length():
     assert tree.num_nodes() == 3
 
 
+def test_insert_below_a_node_continues_its_chain():
+    """A growing sequence inserts only its new pages below the node it owns; the result is the
+    tree a full insert makes, the whole path's LRU age is refreshed and existing pages dedup."""
+    toks = list(range(24))  # 6 pages
+    h = hashes(toks)
+    whole = RadixTree(PS, max_node_pages=2)
+    whole.insert(h, toks, DEVICE, [1, 2, 3, 4, 5, 6])
+    tree = RadixTree(PS, max_node_pages=2)
+    m, _ = tree.insert(h[:3], toks[:12], DEVICE, [1, 2, 3])
+    m2, kept = tree.insert(h[3:], toks[12:], DEVICE, [4, 5, 6], below=m.last)
+    assert kept == [4, 5, 6] and m2.num_pages == 3 and m2.path[0].parent is m.last
+    assert tree.num_nodes() == 4  # 2 + 1 pages, then 2 + 1 below: the cap applies per insert
+    assert tree.match(h).num_pages == 6 and whole.match(h).num_pages == 6
+    assert all(n.last_access == m2.path[-1].last_access for n in tree.match(h, touch=False).path)
+    other = tree.insert(h[3:], toks[12:], DEVICE, [7, 8, 9], below=m.last)[1]
+    assert other == [4, 5, 6]  # already there: the tree's pages win
+    assert tree.pages_in_tier[DEVICE] == 6
+
+
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.lists(st.integers(0, 2), min_size=0, max_size=24), min_size=1, max_size=12),
        st.integers(1, 6))
