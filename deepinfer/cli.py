@@ -23,7 +23,28 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
     p.add_argument("--no-prefix-cache", action="store_true")
+    add_window_args(p)
     add_tier_args(p)
+
+
+def add_window_args(p: argparse.ArgumentParser) -> None:
+    from .kv.window import REUSE_MODES
+
+    d = EngineConfig()
+    w = p.add_argument_group("sliding-window layers (hybrid models such as Gemma 2/3, Mistral, gpt-oss)")
+    w.add_argument("--window-reuse", default=d.window_reuse, choices=REUSE_MODES,
+                   help="how a prefix hit gets the sliding layers' window back: snapshot (restore "
+                        "the nearest boundary snapshot, replay as fallback), replay (recompute), "
+                        "off (a hit on a hybrid model is recomputed)")
+    w.add_argument("--window-snapshot-gb", type=float, default=d.window_snapshot_gb,
+                   help="host memory for window snapshots (LRU)")
+    w.add_argument("--window-snapshot-interval", type=int, default=d.window_snapshot_interval,
+                   help="tokens between snapshots inside a long prompt (default: the window; 0: "
+                        "only at turn ends and prefix junctions)")
+    w.add_argument("--window-replay-tokens", type=int, default=d.window_replay_tokens,
+                   help="replay at most this many tokens (default: exact replay; fewer is lossy)")
+    w.add_argument("--no-window-ring", action="store_true",
+                   help="sliding layers keep every token in the paged pool instead of a ring of W")
 
 
 def add_tier_args(p: argparse.ArgumentParser) -> None:
@@ -54,6 +75,9 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         kv_cache_memory_gb=args.kv_cache_memory_gb, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_cache=not args.no_prefix_cache,
+        window_reuse=args.window_reuse, window_snapshot_gb=args.window_snapshot_gb,
+        window_snapshot_interval=args.window_snapshot_interval,
+        window_replay_tokens=args.window_replay_tokens, window_ring=not args.no_window_ring,
         host_cache_gb=args.host_cache_gb, enable_disk_cache=not args.no_disk_cache,
         disk_cache_dir=args.disk_cache_dir, disk_cache_gb=args.disk_cache_gb,
         kv_codec_host=args.kv_codec_host, kv_codec_disk=args.kv_codec_disk,
@@ -95,8 +119,9 @@ def _cache_line(out) -> str:
     """Where a request's prompt tokens came from, for the per-request summary line."""
     parts = [f"{t} {n}" for t, n in out.cached_tokens_by_tier.items() if n]
     tiers = f" ({', '.join(parts)})" if parts else ""
+    replayed = f"{out.num_replayed_tokens} replayed, " if out.num_replayed_tokens else ""
     return (f"prompt {out.num_prompt_tokens} tokens: {out.num_cached_tokens} cached{tiers}, "
-            f"{out.num_computed_tokens} computed; {len(out.token_ids)} generated")
+            f"{replayed}{out.num_computed_tokens} computed; {len(out.token_ids)} generated")
 
 
 def cmd_chat(args: argparse.Namespace) -> int:

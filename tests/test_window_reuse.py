@@ -308,3 +308,25 @@ def test_gemma3_270m_two_turn_chat_equal_with_window_reuse():
     assert outs["snapshot"][2:] == (hit, 0)  # the turn-end snapshot
     assert outs["replay"][2:] == (0, hit)  # exact replay (15 x 511 tokens) > the whole chat
     assert outs["off"][2:] == (0, hit)
+
+
+@pytest.mark.parametrize("flags,cached,replayed", [
+    ([], 56, 0),  # the default: a window snapshot at the end of the 14 cached pages
+    (["--window-snapshot-gb", "0"], 32, 24),  # no snapshots: exact replay of 3 * (W - 1) tokens
+    (["--no-window-ring"], 56, 0),  # sliding layers keep every token paged: nothing to restore
+    (["--window-reuse", "replay", "--window-replay-tokens", "8"], 48, 8),  # lossy replay of W
+    (["--window-reuse", "off"], 0, 56),  # the hit is recomputed
+])
+def test_cli_window_flags(hybrid, capsys, flags, cached, replayed):
+    """The window options reach the engine from the command line, and the per-request summary
+    reports replayed tokens apart from cached ones (61 prompt tokens, 56 of them cached)."""
+    from deepinfer.cli import main as cli_main
+
+    text = "the cache keeps the window of every sliding layer " * 2
+    args = ["generate", text + "and one", text + "and two", "--model", str(hybrid),
+            "--page-size", str(PS), "--num-pages", "256", "--max-num-seqs", "1", "--max-tokens", "2",
+            "--host-cache-gb", "0", "--no-disk-cache", *flags]
+    assert cli_main(args) == 0
+    second = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"prompt 61 tokens: {cached} cached" in second
+    assert (f"{replayed} replayed, " in second) == bool(replayed)
