@@ -17,6 +17,7 @@ from .kv.pool import PagePool
 from .kv.window import RingState, WindowLayout, WindowPool, window_pool_pages
 from .layers.rotary import RotaryEmbedding
 from .layers.sampler import SampleResult, sample
+from .loader.quantized import dequantized
 from .models.registry import model_class
 from .request import Request
 
@@ -65,18 +66,21 @@ class ModelRunner:
         self._generator = torch.Generator(device=self.device).manual_seed(config.seed)
 
     def _build_model(self, ckpt: Checkpoint, max_model_len: int):
+        # Quantized tensors are de-quantized on the device, straight into the model dtype; an
+        # unsupported quantization raises here, before any memory is allocated.
+        weights = dequantized(ckpt.config, ((n, t.to(self.device)) for n, t in ckpt.weights()),
+                              self.dtype)
         cls = model_class(ckpt.config)
         with torch.device("meta"):  # no random init: every weight comes from the checkpoint
-            model = cls(ckpt.config, max_model_len)
+            model = cls(ckpt.config, max_model_len).cast(self.dtype)
         model = model.to_empty(device=self.device)
         for m in model.modules():  # tables that are computed, not loaded
             if isinstance(m, RotaryEmbedding):
                 m.build(self.device)
-        weights = ((n, t.to(self.dtype)) for n, t in ckpt.weights())
         if self.config.progress:
             weights = tqdm(weights, desc=f"loading {ckpt.name}", unit=" tensors", leave=False)
-        model.load_weights(weights)
-        return model.to(self.dtype).eval()
+        model.load_weights(weights)  # copies cast each tensor into its parameter's dtype
+        return model.eval()
 
     # ------------------------------------------------------------------ batch
     def prepare(self, items: list[tuple[Request, int]]) -> tuple[ForwardBatch, list[Request]]:

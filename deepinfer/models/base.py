@@ -24,12 +24,23 @@ class CausalLM(nn.Module):
 
     fused_shards: dict[str, tuple[str, int]] = {}
     ignored_weights: tuple[str, ...] = (r"rotary_emb\.inv_freq",)
+    # Parameters (regexes over our names) that stay float32 whatever the model dtype.
+    fp32_params: tuple[str, ...] = ()
 
     def __init__(self, config, model: nn.Module) -> None:
         super().__init__()
         self.config = config
         self.model = model
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def cast(self, dtype: torch.dtype) -> CausalLM:
+        """Parameters to ``dtype``, except ``fp32_params``. Called on the meta device before
+        loading, so no weight is ever rounded through ``dtype`` on its way to float32."""
+        self.to(dtype)
+        for name, p in self.named_parameters():
+            if any(re.search(pattern, name) for pattern in self.fp32_params):
+                p.data = p.data.float()
+        return self
 
     def kv_specs(self) -> list[KVSpec]:
         return [layer.self_attn.kv_spec() for layer in self.model.layers]

@@ -219,6 +219,9 @@ class DeepseekModel(nn.Module):
 class DeepseekV3ForCausalLM(CausalLM):
     version = 3
     fused_shards = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+    # The router as transformers keeps it: expert choice compares scores + bias in float32, and a
+    # bias rounded to bf16 picks other experts.
+    fp32_params = (r"\.mlp\.gate\.(weight|e_score_correction_bias)$",)
 
     def __init__(self, config, max_positions: int) -> None:
         super().__init__(config, DeepseekModel(config, max_positions, self.version))
@@ -239,7 +242,6 @@ class DeepseekV3ForCausalLM(CausalLM):
         assert isinstance(block, DeepseekMoE)
         pname = block.load_expert_weight(m.group(2), tensor)
         return f"{m.group(1)}.experts.{pname}"
-
 
 
 class DeepseekV2ForCausalLM(DeepseekV3ForCausalLM):

@@ -4,7 +4,7 @@ MLP (softmax over the top-k router logits, clamped SwiGLU experts with biases).
 Weights are the bf16 layout transformers uses in memory (and bf16 exports store):
 ``experts.gate_up_proj`` [E, H, 2I] with gate/up interleaved along the last dim,
 ``experts.down_proj`` [E, I, H], plus their biases. The released MXFP4 checkpoints
-(``*_blocks``/``*_scales``) must be dequantized by the loader first.
+(``*_blocks``/``*_scales``) are de-quantized into this layout by ``loader/quantized.py``.
 """
 
 from __future__ import annotations

@@ -17,10 +17,12 @@ from deepinfer.sampling_params import SamplingParams
 
 
 def make_runner(hf_model, page_size: int = 4, num_pages: int = 128, max_len: int = 256,
-                state_dict: dict | None = None) -> ModelRunner:
-    sd = state_dict if state_dict is not None else hf_model.state_dict()
-    ckpt = types.SimpleNamespace(config=hf_model.config, weights=lambda: iter(sd.items()),
-                                 name=type(hf_model).__name__, fingerprint="test")
+                state_dict: dict | None = None, ckpt=None) -> ModelRunner:
+    """A float32 CPU runner over ``ckpt``, by default the HF model's (or the given) state dict."""
+    if ckpt is None:
+        sd = state_dict if state_dict is not None else hf_model.state_dict()
+        ckpt = types.SimpleNamespace(config=hf_model.config, weights=lambda: iter(sd.items()),
+                                     name=type(hf_model).__name__, fingerprint="test")
     # window_chunk_tokens: these tests prefill in chunks of any size (the engine caps them)
     return ModelRunner(EngineConfig(page_size=page_size, num_pages=num_pages, dtype="float32",
                                     device="cpu", progress=False, window_chunk_tokens=max_len),

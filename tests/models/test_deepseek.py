@@ -115,7 +115,7 @@ def test_moe_stats_count_routed_tokens():
     assert all(sum(v["total"]) == 0 for v in m.moe_stats()["layers"].values())
 
 
-def _per_expert_checkpoint(state_dict, extra_layer):
+def per_expert_checkpoint(state_dict, extra_layer):
     """The on-disk naming: one tensor per expert and projection (plus an MTP layer to ignore)."""
     out = {}
     for name, t in state_dict.items():
@@ -137,6 +137,6 @@ def _per_expert_checkpoint(state_dict, extra_layer):
 
 def test_loads_per_expert_checkpoint_names():
     model = tiny_v3(24, None)
-    sd = _per_expert_checkpoint(model.state_dict(), model.config.num_hidden_layers)
+    sd = per_expert_checkpoint(model.state_dict(), model.config.num_hidden_layers)
     ours = run_prompt_logits(make_runner(model, state_dict=sd), PROMPT)
     assert (ours - hf_logits(model, PROMPT)).abs().max() <= TOL
