@@ -230,6 +230,58 @@ def test_hit_from_host_tier_restores_the_window(hybrid):
     assert llm.engine.stats()["window_snapshot_hits"] == 1
 
 
+def test_snapshots_persist_in_l3_across_a_restart(hybrid, tmp_path):
+    """A fresh engine on the same L3 directory loads the full-attention pages from disk and the
+    window from the disk snapshot (a gap replay, not the exact one); corrupted snapshot files are
+    counted misses that fall back to the exact replay, with the same tokens."""
+    from deepinfer.kv.hashing import chain_hashes
+
+    shared = ids(46, 15)  # the hit: 44 tokens (11 pages); interval snapshots every 8 tokens
+    p1, p2, p3 = shared + ids(7, 16), shared + ids(9, 17), shared + ids(8, 18)
+    nocache = make(hybrid, enable_prefix_cache=False)
+    ref2, ref3 = (nocache.generate(p, GREEDY)[0].token_ids for p in (p2, p3))
+
+    def restarted():
+        return make(hybrid, enable_disk_cache=True, disk_cache_dir=str(tmp_path))
+
+    first = restarted()
+    first.generate(p1, GREEDY)
+    assert first.engine.stats()["window_snapshots_written"] > 0
+    assert first.engine.shutdown()
+
+    second = restarted()
+    o = second.generate(p2, GREEDY)[0]
+    check_accounting(o)
+    assert o.token_ids == ref2
+    assert (o.num_cached_tokens, o.num_replayed_tokens) == (40, 4)  # the snapshot at 40, a gap of 4
+    assert o.cached_tokens_by_tier["disk"] == 40
+    s = second.engine.stats()
+    assert s["window_snapshot_disk_hits"] == s["window_snapshot_hits"] == 1
+    assert s["window_replays"] == 0 and s["window_snapshot_disk_failures"] == 0
+    kv = second.engine.kv
+    keys = [kv.snapshot_files.key(h) for h in chain_hashes(p3, PS, kv.root(None))]
+    assert second.engine.shutdown()
+
+    corrupted = 0
+    for f in (tmp_path / k[:2] / f"{k}.kv" for k in keys):
+        if f.exists():
+            data = bytearray(f.read_bytes())
+            data[-3] ^= 0xFF
+            f.write_bytes(bytes(data))
+            corrupted += 1
+    assert corrupted >= 5  # 8, 16, ..., 40 from the first run, the junction 44 from the second
+
+    third = restarted()
+    o = third.generate(p3, GREEDY)[0]
+    check_accounting(o)
+    assert o.token_ids == ref3
+    assert (o.num_cached_tokens, o.num_replayed_tokens) == (20, 24)  # the exact replay
+    s = third.engine.stats()
+    assert s["window_snapshot_disk_hits"] == 0 and s["window_replays"] == 1
+    assert s["window_snapshot_disk_failures"] == s["cache_checksum_failures_total"] == 4  # 44..24
+    third.engine.shutdown()
+
+
 def test_preemption_and_eviction_keep_outputs(hybrid):
     """A tight pool: rings freed on preemption, snapshots of evicted prefixes dropped."""
     prompts = [ids(24, 50 + i) for i in range(4)]

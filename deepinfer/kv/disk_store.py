@@ -377,6 +377,12 @@ class DiskStore:
                 self._add_locked(key, size)
         return True
 
+    def known(self, key: str) -> bool:
+        """Index-only presence check, no system call: files this process wrote, found at open or
+        has read since (not those other processes added meanwhile). For scans on the hot path."""
+        with self._lock:
+            return key in self._index
+
     def verify(self) -> dict[str, int]:
         """Full check of every file (for ``deepinfer cache verify``); bad files are quarantined."""
         self._check_open()

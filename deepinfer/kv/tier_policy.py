@@ -142,9 +142,19 @@ class TierBackend:
         return True
 
     # ---------------------------------------------------------------- loads
-    def disk_contains(self, key: str) -> bool:
-        """Is a page the tree does not index on L3? (No persistence here: never.)"""
+    def disk_contains(self, key: str, indexed: bool = False) -> bool:
+        """Is a page the tree does not index on L3? ``indexed``: ask only the store's in-memory
+        index, no system call (misses files other processes added since start-up). (No
+        persistence here: never.)"""
         return False
+
+    def write_file(self, key: str, data: Callable[[], Any], nbytes: int, token_count: int) -> bool:
+        """Write a file that is no tree page (a window snapshot) to L3 in the background."""
+        return False
+
+    def read_file(self, key: str, nbytes: int) -> Any:
+        """Such a file's payload (``nbytes``), or None if absent or bad."""
+        return None
 
     def start_load(self, job: LoadJob) -> None:
         """Begin filling ``job``; this one completes at once."""

@@ -15,7 +15,8 @@ Threads, so that neither decoding nor the scheduler waits on a copy:
   slots that go down to L3. The L1 data is captured (one gather) before ``device_to_host``
   returns, so the caller frees the L1 pages at once. A reader of a slot waits for the
   slot's pending write.
-* disk writer (one, FIFO): encodes and writes L3 files (write-through and L2 evictions).
+* disk writer (one, FIFO): encodes and writes L3 files (write-through, L2 evictions, and
+  ``write_file``'s files that are no tree page: window snapshots).
   Bounded by ``max_pending_bytes``: beyond it a write is refused (the page simply is not on
   disk), never waited for. Failures are reported to the tier manager (``poll_failed_writes``).
 * loaders (two): read L2 slots / L3 files of a ``LoadJob``, decode them (on the device, on a
@@ -41,7 +42,7 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import numpy as np
 import torch
@@ -241,7 +242,8 @@ class TierIO(TierBackend):
         self.counters = dict.fromkeys(
             ["host_bytes_written", "host_bytes_read", "disk_bytes_written", "disk_bytes_read",
              "host_pages_written", "host_pages_read", "disk_pages_written", "disk_pages_read",
-             "disk_writes_dropped", "disk_write_errors", "load_errors"], 0)  # fmt: skip
+             "disk_files_written", "disk_files_read", "disk_writes_dropped", "disk_write_errors",
+             "load_errors"], 0)  # fmt: skip
         self._side = torch.cuda.Stream(self.device) if self.cuda else None
         _live.add(self)
 
@@ -327,8 +329,8 @@ class TierIO(TierBackend):
         return rows
 
     # ---------------------------------------------------------------- -> L3
-    def _reserve_disk(self, keys: list[str]) -> Future | None:
-        need = len(keys) * self.disk_page_nbytes
+    def _reserve_disk(self, keys: list[str], nbytes: int) -> Future | None:
+        need = len(keys) * nbytes
         with self._lock:
             if self.store is None or self._closed or self._pending_bytes + need > self.max_pending_bytes:
                 self.counters["disk_writes_dropped"] += len(keys)
@@ -340,23 +342,25 @@ class TierIO(TierBackend):
         return fut
 
     def device_to_disk(self, pages: list[int], keys: list[str]) -> bool:
-        fut = self._reserve_disk(keys)
+        fut = self._reserve_disk(keys, self.disk_page_nbytes)
         if fut is None:
             return False
         data, ev = self._capture(pages)
         self._disk_exec.submit(self._write_disk, keys, fut,
-                               lambda: self._encode_on_side(self.disk_codec, data, ev))
+                               lambda: self._encode_on_side(self.disk_codec, data, ev),
+                               self.disk_page_nbytes, self.page_size)
         return True
 
     def host_to_disk(self, slots: list[int], keys: list[str]) -> bool:
         assert self.host is not None
-        fut = self._reserve_disk(keys)
+        fut = self._reserve_disk(keys, self.disk_page_nbytes)
         if fut is None:
             return False
         # Read on the (FIFO) host writer: after the slots' own pending writes, before any
         # later write that reuses them once the caller frees them.
         rows_f = self._host_exec.submit(self._read_host_for_disk, slots)
-        self._disk_exec.submit(self._write_disk, keys, fut, rows_f.result)
+        self._disk_exec.submit(self._write_disk, keys, fut, rows_f.result, self.disk_page_nbytes,
+                               self.page_size)
         return True
 
     def _read_host_for_disk(self, slots: list[int]) -> torch.Tensor:
@@ -366,27 +370,52 @@ class TierIO(TierBackend):
         data = decode_pages(self.host_codec, rows, self.shapes, self.dtype)
         return encode_pages(self.disk_codec, data)
 
-    def _write_disk(self, keys: list[str], fut: Future, produce: Any) -> None:
+    def _write_disk(self, keys: list[str], fut: Future, produce: Any, nbytes: int,
+                    token_count: int, counter: str = "disk_pages_written") -> None:
+        """Write the rows of ``produce()`` ([len(keys), nbytes] uint8) as the files ``keys``."""
         assert self.store is not None
         ok = [False] * len(keys)
         try:
             rows = produce().cpu().numpy()
             for i, k in enumerate(keys):
-                ok[i] = self.store.put(k, rows[i].tobytes(), self.page_size)
+                ok[i] = self.store.put(k, rows[i].tobytes(), token_count)
         except Exception:  # noqa: BLE001 - a cache write must never take the engine down
-            log.exception("L3 write of %d pages failed", len(keys))
+            log.exception("L3 write of %d files failed", len(keys))
         with self._lock:
-            self._pending_bytes -= len(keys) * self.disk_page_nbytes
+            self._pending_bytes -= len(keys) * nbytes
             for k, good in zip(keys, ok):
                 if self._disk_pending.get(k) is fut:
                     del self._disk_pending[k]
                 if good:
-                    self.counters["disk_pages_written"] += 1
-                    self.counters["disk_bytes_written"] += self.disk_page_nbytes
+                    self.counters[counter] += 1
+                    self.counters["disk_bytes_written"] += nbytes
                 else:
                     self.counters["disk_write_errors"] += 1
                     self._failed.append(k)
         fut.set_result(None)
+
+    def write_file(self, key: str, data: Callable[[], torch.Tensor], nbytes: int,
+                   token_count: int) -> bool:
+        """Write a file that is no tree page (a window snapshot): ``data()``, ``nbytes`` uint8
+        made on the L3 writer thread, under the pages' back-pressure; False if refused."""
+        fut = self._reserve_disk([key], nbytes)
+        if fut is None:
+            return False
+        self._disk_exec.submit(self._write_disk, [key], fut, lambda: data().reshape(1, -1), nbytes,
+                               token_count, "disk_files_written")
+        return True
+
+    def read_file(self, key: str, nbytes: int) -> memoryview | None:
+        """The payload of file ``key`` if it reads back intact and ``nbytes`` long, else None.
+        Synchronous (waits for the file's pending write)."""
+        if self.store is None:
+            return None
+        b = self._disk_get(key, nbytes)
+        if b is not None:
+            with self._lock:
+                self.counters["disk_files_read"] += 1
+                self.counters["disk_bytes_read"] += nbytes
+        return b
 
     def poll_failed_writes(self) -> list[str]:
         out = []
@@ -395,27 +424,28 @@ class TierIO(TierBackend):
         return out
 
     # ---------------------------------------------------------------- loads
-    def disk_contains(self, key: str) -> bool:
+    def disk_contains(self, key: str, indexed: bool = False) -> bool:
         if self.store is None:
             return False
         with self._lock:
             if key in self._disk_pending:
                 return True
-        return self.store.contains(key)
+        return self.store.known(key) if indexed else self.store.contains(key)
 
     def start_load(self, job: LoadJob) -> None:
         with self._lock:
             self._loads_running += 1
         self._load_exec.submit(self._run_load, job)
 
-    def _disk_get(self, key: str) -> memoryview | None:
+    def _disk_get(self, key: str, nbytes: int | None = None) -> memoryview | None:
+        """The payload of ``key`` if intact and ``nbytes`` (default: one page) long."""
         assert self.store is not None
         with self._lock:
             fut = self._disk_pending.get(key)
         if fut is not None:
             fut.result()  # written meanwhile (or failed: then the get misses)
         b = self.store.get(key, view=True)
-        return b if b is not None and len(b) == self.disk_page_nbytes else None
+        return b if b is not None and len(b) == (nbytes or self.disk_page_nbytes) else None
 
     def _disk_get_many(self, keys: list[str], job: LoadJob) -> list[memoryview]:
         """The leading run of ``keys`` whose files read back intact, in order: up to

@@ -26,13 +26,14 @@ are shared. The sliding group needs its state at the hit's end instead: the K/V 
 tokens before m in every sliding layer. Two ways to get it:
 
 * **Window snapshot.** A copy of a sequence's ring contents for the window before a page
-  boundary b (host memory, ``WindowSnapshotStore``: LRU under a byte budget), keyed by the chained
-  hash of the page ending at b, which names the whole token prefix (model and salt included). A
-  sequence takes one when it crosses a cache-unit boundary: its turn end (on release: the last
-  full page it handed the tree), the junction where its own lookup ended (another request
-  diverged there), and every ``window_snapshot_interval`` tokens (default W). A hit restores the
-  deepest snapshot at or before m into the new ring and recomputes the gap after it; with the
-  default interval the gap is below W, so the compute of a hit is bounded by W plus the new tail.
+  boundary b (host memory, ``WindowSnapshotStore``: LRU under a byte budget; with an L3 tier
+  also a file there, see below), keyed by the chained hash of the page ending at b, which names
+  the whole token prefix (model and salt included). A sequence takes one when it crosses a
+  cache-unit boundary: its turn end (on release: the last full page it handed the tree), the
+  junction where its own lookup ended (another request diverged there), and every
+  ``window_snapshot_interval`` tokens (default W). A hit restores the deepest snapshot at or
+  before m into the new ring and recomputes the gap after it; with the default interval the gap
+  is below W, so the compute of a hit is bounded by W plus the new tail.
 * **Boundary replay.** Recompute the last tokens of the match with an empty ring. This is only
   exact if it starts far enough back: a sliding layer's output at p depends on its window before
   p, so every stacked window layer widens the span that must be recomputed by W - 1 tokens. The
@@ -49,11 +50,28 @@ done by shortening the hit to the replay start b: the tree keeps its pages, the 
 [b, m) into private pages (all layers: a sliding layer at p needs every lower layer's output at p)
 and ``cache_pages`` finds the tree's copies and frees its own, so shared pages are never written.
 
+Snapshots on L3
+---------------
+With a disk tier, every snapshot taken is also written to the L3 directory (``SnapshotFiles``:
+the disk writer thread, under the pages' back-pressure; atomic files with a namespaced header and
+a checksum), so a restarted engine, or another one sharing the directory, that loads a prefix's
+pages from L3 gets its window too instead of replaying ``sum(W_l - 1)`` tokens. The file's key
+hashes the boundary's page hash with a tag naming the window layout, dtype and codec, so it never
+meets a page file or another layout's snapshot. A lookup that finds no snapshot in memory at a
+boundary asks the store's in-memory index (no system call; so files another process wrote after
+this one opened the directory are not seen) and reads the file *synchronously* at admission,
+where the hit's length, and so the boundary wanted, is first known (the pages' load before it is
+asynchronous): one file of about W tokens of the sliding layers, once per prefix and restart (it
+is then kept in memory), against recomputing every layer over ``sum(W_l - 1)`` tokens. A bad,
+truncated or foreign file is a counted miss (``window_snapshot_disk_failures``): the lookup goes
+on to shallower boundaries, then replays. Snapshot files share the store's byte budget and LRU
+with the page files and, like those, outlive the tree's records.
+
 ``window_reuse``: ``snapshot`` (default: snapshots, exact replay when none is close enough),
 ``replay`` (never snapshot) or ``off`` (a hybrid model recomputes every hit: the baseline).
-Snapshots are dropped when their node leaves the tree through an L1 eviction; ones whose node
-left from a lower tier age out by LRU (they stay correct: a snapshot is only found through a
-matched page hash, which fixes the tokens it was computed from).
+Snapshots in memory are dropped when their node leaves the tree through an L1 eviction; ones
+whose node left from a lower tier age out by LRU (they stay correct: a snapshot is only found
+through a matched page hash, which fixes the tokens it was computed from).
 """
 
 from __future__ import annotations
@@ -67,9 +85,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .cache_manager import KVCacheManager
+from .codecs import get_codec
 from .layout import KVSpec
 from .pool import PageAllocator
 from .radix import DEVICE, DISK, HOST, NUM_TIERS, TIER_NAMES, Node
+from .tier_policy import TierBackend, disk_key
+from .tiers import decode_pages, encode_pages, page_nbytes
 
 if TYPE_CHECKING:
     from ..config import EngineConfig
@@ -344,6 +365,60 @@ class WindowSnapshotStore:
                 self.dropped += 1
 
 
+LOSSLESS = get_codec("lossless")
+
+
+@dataclass
+class SnapshotFiles:
+    """Window snapshots as L3 files, next to the page files (see the module docstring).
+
+    Always lossless, whatever the disk codec: a restored window is the state every later token
+    of the sliding layers builds on, and the snapshots taken from it later count as exact, so a
+    lossy copy would compound its error over turns and restarts (the reason a lossy replay never
+    leaves a snapshot); and one snapshot saves recomputing ``sum(W_l - 1)`` tokens, worth its
+    bytes."""
+
+    backend: TierBackend  # the tiers' (``tiers.TierIO`` in the engine)
+    shapes: list[tuple[int, ...]]  # one page of each owned window buffer
+    dtype: torch.dtype
+    tag: str  # hashed into every key: no collision with page files or another window layout
+
+    @staticmethod
+    def for_pool(backend: TierBackend, pool: WindowPool) -> SnapshotFiles:
+        """The tag also names the disk codec, which is part of the store's namespace: engines
+        with different disk codecs keep apart files rather than taking each other's as foreign."""
+        shapes = [tuple(b.shape[1:]) for b in pool.owned_buffers()]
+        tag = (f"window-snapshot|{pool.layout.owners}|{shapes}|{pool.dtype}|{LOSSLESS.tag}"
+               f"|store={backend.codec_tag}")
+        return SnapshotFiles(backend, shapes, pool.dtype, tag)
+
+    def key(self, page_hash: bytes) -> str:
+        return disk_key(page_hash, self.tag)
+
+    def nbytes(self, num_pages: int) -> int:
+        return num_pages * page_nbytes(LOSSLESS, self.shapes, self.dtype)
+
+    def has(self, page_hash: bytes) -> bool:
+        """Cheap: the store's in-memory index only."""
+        return self.backend.disk_contains(self.key(page_hash), indexed=True)
+
+    def write(self, page_hash: bytes, snap: WindowSnapshot, boundary: int) -> bool:
+        """Queue ``snap`` (the window before ``boundary``) for the L3 writer unless already there."""
+        if self.has(page_hash):
+            return False
+        return self.backend.write_file(self.key(page_hash), lambda: encode_pages(LOSSLESS, snap.data),
+                                       self.nbytes(snap.num_pages), boundary)
+
+    def read(self, page_hash: bytes, first_page: int, num_pages: int) -> WindowSnapshot | None:
+        """The snapshot of pages [first_page, first_page + num_pages), None if its file is absent,
+        bad or of another size."""
+        raw = self.backend.read_file(self.key(page_hash), self.nbytes(num_pages))
+        if raw is None:
+            return None
+        rows = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(num_pages, -1)
+        return WindowSnapshot(first_page, decode_pages(LOSSLESS, rows, self.shapes, self.dtype))
+
+
 # ------------------------------------------------------------------------------ cache manager
 
 
@@ -373,6 +448,9 @@ class WindowStats:
     snapshot_hits: int = 0  # admissions that restored a snapshot
     replays: int = 0  # admissions that replayed (no usable snapshot)
     snapshots_taken: int = 0
+    snapshots_written: int = 0  # of which handed to the L3 writer
+    snapshot_disk_hits: int = 0  # snapshots read from L3 for a hit
+    snapshot_disk_failures: int = 0  # indexed snapshot files that did not read back (bad, gone)
 
 
 class WindowKVCacheManager(KVCacheManager):
@@ -386,6 +464,9 @@ class WindowKVCacheManager(KVCacheManager):
         self.max_chunk_tokens = window.chunk_tokens
         use_snapshots = window.mode == "snapshot" and self.tree is not None
         self.snapshots = WindowSnapshotStore(window.snapshot_bytes) if use_snapshots else None
+        self.snapshot_files = (SnapshotFiles.for_pool(self.tiers.backend, window.io)
+                               if use_snapshots and self.tiers is not None and self.tiers.has_disk
+                               else None)
         self.window_counters = WindowStats()
 
     # ------------------------------------------------------------------ lookup
@@ -419,10 +500,29 @@ class WindowKVCacheManager(KVCacheManager):
             for k in range(m // ps, 0, -1):  # deepest boundary first
                 if k * ps < s:
                     break
-                snap = self.snapshots.get(req.page_hashes[k - 1])
+                snap = self._find_snapshot(req.page_hashes[k - 1], k * ps)
                 if snap is not None:
                     return k * ps, snap, k * ps
         return s, None, exact_from
+
+    def _find_snapshot(self, key: bytes, b: int) -> WindowSnapshot | None:
+        """The snapshot at boundary ``b``: in memory, else read from L3 (synchronously) and kept."""
+        assert self.snapshots is not None
+        snap = self.snapshots.get(key)
+        files = self.snapshot_files
+        if snap is None and files is not None and files.has(key):
+            first, end = self._span(b)
+            snap = files.read(key, first, end - first)
+            if snap is None:
+                self.window_counters.snapshot_disk_failures += 1
+            else:
+                self.window_counters.snapshot_disk_hits += 1
+                self.snapshots.put(key, snap)
+        return snap
+
+    def _span(self, b: int) -> tuple[int, int]:
+        """Absolute pages [first, end) of the window before page boundary ``b``."""
+        return max(0, b - self.window.layout.window + 1) // self.page_size, b // self.page_size
 
     def _shorten(self, req: Request, start: int) -> None:
         """Keep only the first ``start`` tokens of the hit (the rest is recomputed privately)."""
@@ -499,10 +599,13 @@ class WindowKVCacheManager(KVCacheManager):
         key = req.page_hashes[b // ps - 1]
         if key in self.snapshots:
             return
-        first = max(0, b - self.window.layout.window + 1) // ps
-        pages = [self.rings.page(ring, a) for a in range(first, b // ps)]
-        if self.snapshots.put(key, WindowSnapshot(first, self.window.io.read(pages))):
+        first, end = self._span(b)
+        pages = [self.rings.page(ring, a) for a in range(first, end)]
+        snap = WindowSnapshot(first, self.window.io.read(pages))
+        if self.snapshots.put(key, snap):
             self.window_counters.snapshots_taken += 1
+            if self.snapshot_files is not None and self.snapshot_files.write(key, snap, b):
+                self.window_counters.snapshots_written += 1
 
     def release(self, req: Request) -> None:
         ring = req.ring
@@ -527,6 +630,9 @@ class WindowKVCacheManager(KVCacheManager):
             "window_snapshot_hits": c.snapshot_hits,
             "window_replays": c.replays,
             "window_snapshots_taken": c.snapshots_taken,
+            "window_snapshots_written": c.snapshots_written,
+            "window_snapshot_disk_hits": c.snapshot_disk_hits,
+            "window_snapshot_disk_failures": c.snapshot_disk_failures,
             "window_snapshots": len(s) if s is not None else 0,
             "window_snapshot_bytes": s.bytes if s is not None else 0,
             "window_snapshots_evicted": (s.evicted + s.dropped) if s is not None else 0,

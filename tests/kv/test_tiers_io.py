@@ -107,6 +107,24 @@ def test_disk_write_through_then_a_fresh_backend_finds_pages_by_key(tmp_path):
     b.close()
 
 
+def test_other_files_write_in_the_background_and_read_back_checked(tmp_path):
+    """``write_file``/``read_file`` (window snapshots): found by a fresh backend through the
+    store's index, and a file of an unexpected size is a miss."""
+    a = io(pool(), tmp_path, host_bytes=0)
+    key = a.disk_key(b"\x05" * 16) + "ff"  # any hex key apart from the pages'
+    payload = torch.arange(40, dtype=torch.uint8)
+    assert a.write_file(key, lambda: payload, 40, token_count=8)
+    assert a.disk_contains(key, indexed=True)  # pending counts as present
+    assert a.close()
+    assert a.stats()["disk_files_written"] == 1 and a.stats()["disk_pages_written"] == 0
+    b = io(pool(), tmp_path, host_bytes=0)
+    assert b.disk_contains(key, indexed=True) and not b.disk_contains("ab" * 16, indexed=True)
+    assert bytes(b.read_file(key, 40)) == bytes(range(40))
+    assert b.read_file(key, 41) is None and b.read_file("ab" * 16, 40) is None
+    assert b.stats()["disk_files_read"] == 1
+    b.close()
+
+
 def test_l2_to_l3_transcodes_between_codecs(tmp_path):
     src = pool(0)
     t = io(src, tmp_path, host_codec="lossless", disk_codec="fp8")
