@@ -57,11 +57,13 @@ Lower tiers (L2 host, L3 disk)
     become ``bytes_moved``.
 
 Speed (Mooncake conversation trace, 12,031 requests, 145 M tokens, L1 = 10 M tokens, CPU
-seconds of one core per grid point; the machine was shared, wall times were up to 5x more)
-    page 512: 4.8 s; page 64: 12.7 s; page 16: 72 s. With ``token_scale`` (lengths and block
-    size scaled, same reuse structure) page 16 at ``token_scale=0.25`` (and L1 scaled alike):
-    10.5 s. Above page 512 the time goes to the radix tree (prefix walks of ``insert``, one
-    per chunk and per filled reply page), not to the planner's own code.
+seconds of one core per grid point)
+    page 16: 31 s on a quiet machine, since a request's inserts continue below the node it
+    already owns (``RadixTree.insert(..., below=)``) instead of re-walking its prefix once per
+    chunk and per filled reply page (72 s before, on a shared machine); page 512: 4.8 s and
+    page 64: 12.7 s (before that change, shared machine). ``token_scale`` (lengths and block
+    size scaled, same reuse structure) cuts it further: page 16 at ``token_scale=0.25`` (and
+    L1 scaled alike) took 10.5 s.
 """
 
 from __future__ import annotations
