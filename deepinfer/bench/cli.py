@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import math
 import sys
@@ -315,9 +316,11 @@ def cmd_engine(a: argparse.Namespace) -> int:
     if endpoints:
         from deepinfer.bench.client import ClientConfig, run_workload
         from deepinfer.bench.engine_driver import DriveResult
-        from deepinfer.bench.workloads import Workload
+        from deepinfer.bench.workloads import Workload, apply_tool_format
 
         wl_used = res.workload if isinstance(res.workload, Workload) else factory(32000)
+        if a.tool_format == "text":  # the engine columns rendered tools as text: so must the peers
+            wl_used = apply_tool_format(copy.deepcopy(wl_used), "text")
         for label, url in endpoints.items():
             cfg = ClientConfig(base_url=url, model=a.endpoint_model, api_key=a.api_key,
                                concurrency=a.max_in_flight or 8,

@@ -289,7 +289,7 @@ def agent_loop(
     wl = Workload(name="agent", sessions=sessions,
                   meta={"num_agents": num_agents, "steps": steps, "num_tools": num_tools,
                         "tool_format": tool_format, "seed": seed, "tools": specs})
-    return _apply_tool_format(wl, tool_format)
+    return apply_tool_format(wl, tool_format)
 
 
 def document_qa(
@@ -432,7 +432,7 @@ def taubench_replay(
         msgs = [_clean_openai(m) for m in t.get("traj", [])]
         sessions.append(Session(session_id=sid,
                                 turns=turns_from_messages(msgs, prefix=f"tau-{sid}", **turn_kw)))
-    return _apply_tool_format(Workload(name="taubench", sessions=sessions,
+    return apply_tool_format(Workload(name="taubench", sessions=sessions,
                                        meta={"path": str(path), "tool_format": tool_format}),
                               tool_format)
 
@@ -462,7 +462,8 @@ def sweagent_replay(
     return Workload(name="sweagent", sessions=sessions, meta={"path": str(base)})
 
 
-def _apply_tool_format(wl: Workload, tool_format: str) -> Workload:
+def apply_tool_format(wl: Workload, tool_format: str) -> Workload:
+    """``wl`` with its tool calls and results as OpenAI messages (as is) or as plain text (in place)."""
     if tool_format == "openai":
         return wl
     if tool_format != "text":

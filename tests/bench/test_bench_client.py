@@ -226,3 +226,23 @@ def test_cli_client_and_ideal(server, tmp_path, capsys):
     assert main(["ideal", str(trace), "--json"]) == 0
     row = json.loads(capsys.readouterr().out)
     assert row["ideal_hit_tokens"] == 4 and row["input_tokens"] == 14
+
+
+def test_engine_bench_peers_get_the_tool_format_of_the_engine_columns(server, tiny_llama, tmp_path):
+    """With ``--tool-format text`` the engine columns render tool calls as text; a peer endpoint in
+    the same report must get the very same messages (OpenAI tool messages would differ, and some
+    servers reject them)."""
+    from deepinfer.bench.cli import main
+
+    args = ["engine", "--model", str(tiny_llama), "--workload", "agent", "--workload-args",
+            '{"num_agents": 1, "steps": 2, "num_tools": 1, "task_tokens": 4, '
+            '"tool_output_tokens": 8, "tool_output_growth": 4, "max_tokens": 2}',
+            "--tool-format", "text", "--configs", "l1", "--baseline", "none",
+            "--engine-args", '{"page_size": 4, "num_pages": 1024, "max_model_len": 2048}',
+            "--endpoint", f"peer={server.url}",
+            "--endpoint-model", "openai", "--out", str(tmp_path), "--run", "r", "--no-progress"]
+    assert main(args) == 0
+    sent = [m for b in server.bodies for m in b["messages"]]
+    assert len(server.bodies) == 2 and any(m["role"] == "assistant" for m in sent)
+    assert all(m["role"] in ("system", "user", "assistant") and isinstance(m["content"], str)
+               and "tool_calls" not in m for m in sent)
