@@ -103,9 +103,9 @@ def bytes_per_token(model) -> dict:
     ps = m.engine.config.page_size
     out = {}
     for dtype in (t.dtype, torch.bfloat16):
-        for name in ("lossless", "fp8", "fp4", "mxfp4"):
+        for name in ("lossless", "fp8", "fp8c", "fp4", "mxfp4"):
             key = name if name != "lossless" else f"lossless-{str(dtype).split('.')[-1]}"
-            out[key] = page_nbytes(get_codec(name), t.shapes, dtype) / ps
+            out[key] = page_nbytes(get_codec(name, page_size=ps), t.shapes, dtype) / ps
     return out
 
 
@@ -344,7 +344,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="deepinfer-bench-tiers-") as tmp:
         work = Path(tmp)
         if "accuracy" not in skip and args.model is None:
-            res["accuracy"] = accuracy(args.model, ["fp8"] if args.quick else ["fp8", "fp4", "mxfp4"])
+            res["accuracy"] = accuracy(args.model, ["fp8"] if args.quick else ["fp8", "fp8c", "fp4", "mxfp4"])
         if "ttft" not in skip:
             res["ttft"] = ttft_section(args.model, n, CODECS, work)
             if "throughput" not in skip:

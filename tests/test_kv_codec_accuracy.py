@@ -5,11 +5,11 @@ made once by ``bench/tiers.py generations``). Every position is scored with the 
 earlier pages loaded back from an FP8 (FP4) L2 tier, its own page computed live, and compared
 with lossless KV (``deepinfer.kv.accuracy``): the strictest realistic case (a resume at any page).
 
-Measured (CPU, float32 reference): FP8 98.06% argmax agreement, perplexity +0.27%; FP4 (e2m1,
-e4m3 scale per 16, float32 per page) 92.64%, perplexity +3.09%. The issue's 99% target for FP8 is NOT met under this protocol: e4m3's
-3-bit mantissa on the keys dominates (FP8 on V alone: 99.4%; on K alone: 98.2%). With only the
-prompt from the tier and the 256 tokens computed live, FP8 gives 99.1%. The bounds below guard
-against regressions of the measured values; the target is tracked in the issue.
+Measured (CPU, float32 reference): ``fp8c`` (FP8 of the deviations from each page's channel
+means, plus the farthest token exact) 99.22% argmax agreement, perplexity -0.18%: the issue's
+>= 99% for FP8 is asserted on it. Plain ``fp8`` 98.06%, perplexity +0.27%: e4m3's 3-bit mantissa
+on the keys dominates (FP8 on V alone: 99.4%; on K alone: 98.2%). FP4 (e2m1, e4m3 scale per 16,
+float32 per page) 92.64%, perplexity +3.09%. The fp8 and fp4 bounds guard against regressions.
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ def sequences():
     return seqs, start
 
 
-@pytest.mark.parametrize("codec,min_agreement,max_ppl_change", [("fp8", 0.975, 0.01), ("fp4", 0.90, 0.05)])
+@pytest.mark.parametrize("codec,min_agreement,max_ppl_change",
+                         [("fp8c", 0.99, 0.01), ("fp8", 0.975, 0.01), ("fp4", 0.90, 0.05)])
 def test_lossy_kv_tier_argmax_agreement(sequences, codec, min_agreement, max_ppl_change):
     from deepinfer.llm import LLM
 

@@ -103,7 +103,7 @@ def test_tiny_l1_spills_to_l2_and_l3_and_comes_back_identical(tiny_llama, refere
     assert llm.engine.shutdown()
 
 
-@pytest.mark.parametrize("codec", ["fp8", "fp4"])
+@pytest.mark.parametrize("codec", ["fp8", "fp8c", "fp4"])
 def test_lossy_tiers_serve_and_account(tiny_llama, tmp_path, codec):
     ps = prompts(4, 40, seed=11)
     llm = make(tiny_llama, tmp_path, kv_codec_host=codec, kv_codec_disk=codec, host_cache_gb=host_gb(64))
@@ -118,7 +118,8 @@ def test_lossy_tiers_serve_and_account(tiny_llama, tmp_path, codec):
     o = fresh.generate(ps, GREEDY)
     assert all(x.cached_tokens_by_tier["disk"] == 36 for x in o)
     page = llm.engine.tiers.disk_page_nbytes
-    assert page < {"fp8": 0.3, "fp4": 0.16}[codec] * 2048 * 2  # vs 2 x 2048 B lossless
+    # vs 2 x 2048 B lossless; fp8c's mean and exact token weigh a lot on pages of 4 tokens
+    assert page < {"fp8": 0.3, "fp8c": 0.7, "fp4": 0.16}[codec] * 2048 * 2
     for e in (llm, fresh):
         e.engine.shutdown()
 

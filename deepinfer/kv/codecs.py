@@ -10,6 +10,8 @@ Codecs and their byte layout (little-endian, concatenated in this order):
   Scale = block amax / 448. float32 rather than float16 because KV may be bfloat16: a bf16 block
   amax above ~2.9e7 would overflow an fp16 scale and tiny amaxes would underflow it; float32 costs
   2 extra bytes per 32 elements (1.125 instead of 1.0625 B/elem) and adds no error of its own.
+* ``fp8c``: ``fp8`` of the page's deviations from its per-channel mean, plus the mean (bfloat16)
+  and the one token farthest from it, exact (``FP8CenteredCodec``; rows are whole pages).
 * ``fp4`` (NVFP4-like): one float32 page scale ``g = page_amax / (448 * 6)``, then the packed
   e2m1 codes (two per byte, even element in the low nibble), then one **FP8 e4m3** scale per block
   of 16. A block's value is ``code * e4m3_scale * g``. The two-level scale (as in NVFP4) gives a
@@ -33,7 +35,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
-__all__ = ["Codec", "LosslessCodec", "FP8Codec", "FP4Codec", "MXFP4Codec", "get_codec", "CODEC_NAMES"]
+__all__ = ["Codec", "LosslessCodec", "FP8Codec", "FP8CenteredCodec", "FP4Codec", "MXFP4Codec",
+           "get_codec", "CODEC_NAMES"]
 
 Shape = Sequence[int] | torch.Size
 Buffer = bytes | bytearray | memoryview
@@ -132,6 +135,12 @@ def _finish(vals: torch.Tensor, shape: Shape, dtype: torch.dtype) -> torch.Tenso
 
 def _as_bytes(t: torch.Tensor) -> bytes:
     return t.detach().contiguous().cpu().numpy().tobytes()
+
+
+def _dense(cols: torch.Tensor) -> torch.Tensor:
+    """A column slice of byte rows as a fresh row-major tensor (``contiguous()`` keeps the parent's
+    row stride when there is one row, and a dtype view needs it to divide the element size)."""
+    return torch.empty(cols.shape, dtype=cols.dtype, device=cols.device).copy_(cols)
 
 
 def _byte_view(t: torch.Tensor) -> torch.Tensor:
@@ -312,6 +321,73 @@ class FP8Codec(Codec):
         return _finish(vals, (n, m), dtype)
 
 
+class FP8CenteredCodec(Codec):
+    """FP8 e4m3 of a page's deviations from its per-channel mean, plus one exact token.
+
+    Keys carry per-channel offsets that are large next to their variation, and e4m3's 3-bit
+    mantissa errs relative to the value, so coding ``x - mean`` instead of ``x`` shrinks the error
+    where it matters (attention scores move with q . k). The token farthest from the mean (an
+    attention-sink token, typically) is kept exact: its few large deviations would otherwise
+    carry most of the page's error. On SmolLM2 (``tests/test_kv_codec_accuracy.py``) this lifts
+    teacher-forced argmax agreement from 98.1% (``fp8``) to >= 99%.
+
+    A row is one page of one buffer: ``tokens`` tokens of ``C = m / tokens`` channels. Layout:
+    the ``fp8`` row of the deviations (codes, float32 block scales), then the mean as bfloat16
+    [C] (the deviations are taken from this rounded mean, so it adds no error), then the exact
+    token in the row's dtype [C], then its index (uint16).
+    """
+
+    name = "fp8c"
+
+    def __init__(self, tokens: int, block_size: int = 32, native: bool | None = None) -> None:
+        self.fp8 = FP8Codec(block_size, native)  # codes the deviations
+        self.block_size = block_size
+        if not 0 < tokens <= 1 << 16:
+            raise ValueError(f"fp8c: tokens per page must be in 1..65536, got {tokens}")
+        self.tokens = tokens
+
+    def _channels(self, m: int) -> int:
+        if m % self.tokens:
+            raise ValueError(f"fp8c: a row of {m} elements is not {self.tokens} tokens")
+        return m // self.tokens
+
+    def encoded_nbytes(self, shape: Shape, dtype: torch.dtype) -> int:
+        c = self._channels(math.prod(shape))
+        return self.fp8.encoded_nbytes(shape, dtype) + c * (2 + torch.empty((), dtype=dtype).element_size()) + 2
+
+    def encode_to_tensor(self, x: torch.Tensor) -> torch.Tensor:
+        return self.encode_rows(x.reshape(1, -1)).reshape(-1)
+
+    def decode_from_tensor(self, buf: torch.Tensor, shape: Shape, dtype: torch.dtype) -> torch.Tensor:
+        return self.decode_rows(buf.reshape(1, -1), math.prod(shape), dtype).reshape(tuple(shape))
+
+    def encode_rows(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_rows(x)
+        n, m = x.shape
+        c = self._channels(m)
+        t = x.detach().reshape(n, self.tokens, c)
+        mean = t.float().mean(dim=1).to(torch.bfloat16)  # [n, C]
+        dev = t.float() - mean.float()[:, None]
+        idx = dev.square().sum(dim=-1).argmax(dim=1)  # [n]
+        exact = t[torch.arange(n, device=x.device), idx]  # [n, C], x's dtype
+        return torch.cat([self.fp8.encode_rows(dev.reshape(n, m)), _byte_view(mean).reshape(n, -1),
+                          _byte_view(exact).reshape(n, -1),
+                          _byte_view(idx.to(torch.int16)).reshape(n, 2)], dim=1)
+
+    def decode_rows(self, buf: torch.Tensor, m: int, dtype: torch.dtype) -> torch.Tensor:
+        n = self._check_row_buf(buf, m, dtype)
+        c = self._channels(m)
+        k = self.fp8.encoded_nbytes((m,), dtype)
+        esz = torch.empty((), dtype=dtype).element_size()
+        dev = self.fp8.decode_rows(_dense(buf[:, :k]), m, torch.float32).reshape(n, self.tokens, c)
+        mean = _dense(buf[:, k : k + 2 * c]).view(torch.bfloat16).float()
+        exact = _dense(buf[:, k + 2 * c : k + (2 + esz) * c]).view(dtype)
+        idx = _dense(buf[:, -2:]).view(torch.int16).reshape(n).long() & 0xFFFF
+        out = _finish(dev + mean[:, None], (n, self.tokens, c), dtype)
+        out[torch.arange(n, device=buf.device), idx] = exact
+        return out.reshape(n, m)
+
+
 class FP4Codec(Codec):
     """NVFP4-like: e2m1 codes, e4m3 scale per block of 16, float32 scale per page."""
 
@@ -424,18 +500,23 @@ class MXFP4Codec(Codec):
 
 
 _FACTORIES = {
-    "lossless": lambda bs: LosslessCodec(),
-    "fp8": lambda bs: FP8Codec(bs or 32),
-    "fp4": lambda bs: FP4Codec(bs or 16),
-    "mxfp4": lambda bs: MXFP4Codec(bs or 32),
+    "lossless": lambda bs, ps: LosslessCodec(),
+    "fp8": lambda bs, ps: FP8Codec(bs or 32),
+    "fp8c": lambda bs, ps: FP8CenteredCodec(ps, bs or 32),
+    "fp4": lambda bs, ps: FP4Codec(bs or 16),
+    "mxfp4": lambda bs, ps: MXFP4Codec(bs or 32),
 }
 CODEC_NAMES: tuple[str, ...] = tuple(_FACTORIES)
+PAGE_AWARE = ("fp8c",)  # codecs whose rows must be whole pages (they need the page size)
 
 
-def get_codec(name: str, block_size: int | None = None) -> Codec:
-    """Codec by name; ``block_size`` overrides the default (ignored by lossless)."""
+def get_codec(name: str, block_size: int | None = None, page_size: int | None = None) -> Codec:
+    """Codec by name; ``block_size`` overrides the default (ignored by lossless); ``page_size``
+    (tokens per encoded row) is required by the page-aware codecs and ignored by the others."""
     if name not in _FACTORIES:
         raise ValueError(f"unknown KV codec {name!r}; valid names: {', '.join(CODEC_NAMES)}")
     if block_size is not None and block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
-    return _FACTORIES[name](block_size)
+    if name in PAGE_AWARE and page_size is None:
+        raise ValueError(f"KV codec {name!r} needs the page size")
+    return _FACTORIES[name](block_size, page_size)

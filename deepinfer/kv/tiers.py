@@ -202,8 +202,8 @@ class TierIO(TierBackend):
         self.dtype = transfer.dtype
         self.device = transfer.device
         self.cuda = self.device.type == "cuda"
-        self.host_codec = get_codec(host_codec)
-        self.disk_codec = get_codec(disk_codec)
+        self.host_codec = get_codec(host_codec, page_size=page_size)
+        self.disk_codec = get_codec(disk_codec, page_size=page_size)
         use_host = host_bytes > 0
         use_disk = disk_dir is not None and disk_bytes > 0
         if use_host:

@@ -70,7 +70,7 @@ class KVSize:
 
 def component_bytes_per_token(spec: KVSpec, codec_name: str, dtype: torch.dtype,
                               page_size: int) -> float:
-    codec = get_codec(codec_name)
+    codec = get_codec(codec_name, page_size=page_size)
     return sum(codec.encoded_nbytes((page_size, *shape), dtype) for _, shape in spec.components) / page_size
 
 

@@ -11,10 +11,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from deepinfer.kv.codecs import CODEC_NAMES, FP4Codec, FP8Codec, get_codec
+from deepinfer.kv.codecs import CODEC_NAMES, PAGE_AWARE, FP4Codec, FP8Codec, get_codec
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 QUANT = ["fp8", "fp4", "mxfp4"]
+ROW_CODECS = [n for n in CODEC_NAMES if n not in PAGE_AWARE]  # any row length; fp8c: below
 
 
 def roundtrip(name: str, x: torch.Tensor) -> torch.Tensor:
@@ -90,7 +91,7 @@ def test_unknown_codec_lists_valid_names() -> None:
         get_codec("int3")
     for n in CODEC_NAMES:
         assert n in str(e.value)
-    assert set(CODEC_NAMES) == {"lossless", "fp8", "fp4", "mxfp4"}
+    assert set(CODEC_NAMES) == {"lossless", "fp8", "fp8c", "fp4", "mxfp4"}
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -130,7 +131,7 @@ def test_bad_last_dim_rejected(name: str) -> None:
         c.encoded_nbytes((4, 24), torch.float32)
 
 
-@pytest.mark.parametrize("name", CODEC_NAMES)
+@pytest.mark.parametrize("name", ROW_CODECS)
 def test_decode_wrong_length_rejected(name: str) -> None:
     c = get_codec(name)
     data = c.encode(torch.randn(2, 64))
@@ -251,7 +252,7 @@ def test_encode_to_tensor_stays_on_device() -> None:
 
 @st.composite
 def pages(draw: st.DrawFn) -> tuple[str, torch.Tensor]:
-    name = draw(st.sampled_from(CODEC_NAMES))
+    name = draw(st.sampled_from(ROW_CODECS))
     dtype = draw(st.sampled_from(DTYPES))
     block = get_codec(name).block_size
     lead = draw(st.lists(st.integers(1, 3), min_size=0, max_size=3))
@@ -273,9 +274,64 @@ def test_roundtrip_property(page: tuple[str, torch.Tensor]) -> None:
         assert_within_bound(name, x, y)
 
 
-@pytest.mark.parametrize("name", CODEC_NAMES)
+@pytest.mark.parametrize("name", ROW_CODECS)
 def test_non_contiguous_input(name: str) -> None:
     x = torch.randn(64, 4, 8).permute(2, 1, 0)  # e.g. a strided slice of a pool buffer
     assert not x.is_contiguous()
     c = get_codec(name)
     assert c.encode(x) == c.encode(x.contiguous())
+
+
+# ------------------------------------------------------------------------------ fp8c (page-aware)
+
+
+def offset_pages(n: int, tokens: int, channels: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    """Pages like keys: per-channel offsets much larger than the variation, one outlier token."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, tokens, channels, generator=g) + 6 * torch.randn(1, 1, channels, generator=g)
+    x[:, 0] = 30 * torch.randn(n, channels, generator=g)  # an attention-sink-like token
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fp8c_layout_exact_token_and_bound(dtype: torch.dtype) -> None:
+    tokens, channels = 16, 96
+    c = get_codec("fp8c", page_size=tokens)
+    x = offset_pages(3, tokens, channels, dtype)
+    rows = c.encode_rows(x.reshape(3, -1))
+    esz = torch.empty((), dtype=dtype).element_size()
+    m = tokens * channels
+    assert rows.shape == (3, m + m // 32 * 4 + channels * (2 + esz) + 2)
+    assert rows.shape[1] == c.encoded_nbytes((m,), dtype)
+    y = c.decode_rows(rows, m, dtype).reshape(x.shape)
+    assert y.dtype == dtype and torch.equal(y[:, 0], x[:, 0])  # the farthest token is exact
+    # the rest: fp8's per-block bound, on the deviations from the (bfloat16) page mean
+    mean = x.float().mean(dim=1, keepdim=True).to(torch.bfloat16).float()
+    dev = (x.float() - mean).reshape(3, -1, 32)
+    bound = (dev.abs().amax(dim=-1, keepdim=True) * 16 / 448).expand_as(dev).reshape(x.shape)
+    err = (y.float() - x.float()).abs()
+    assert bool((err <= bound + out_slack(y) + 1e-6).all())
+    # single-page API = row API, byte for byte
+    assert c.encode(x[1].reshape(-1)) == bytes(rows[1].numpy().tobytes())
+    assert torch.equal(c.decode(c.encode(x[1].reshape(-1)), (m,), dtype, "cpu"), y[1].reshape(-1))
+
+
+def test_fp8c_beats_fp8_on_offset_channels() -> None:
+    x = offset_pages(8, 16, 64, torch.float32, seed=1).reshape(8, -1)
+    errs = {}
+    for name in ("fp8", "fp8c"):
+        c = get_codec(name, page_size=16)
+        errs[name] = float((c.decode_rows(c.encode_rows(x), x.shape[1], x.dtype) - x).abs().mean())
+    assert errs["fp8c"] < errs["fp8"] / 2
+
+
+def test_fp8c_needs_whole_pages() -> None:
+    with pytest.raises(ValueError, match="page size"):
+        get_codec("fp8c")
+    with pytest.raises(ValueError, match="tokens"):  # whole fp8 blocks, but not whole tokens
+        get_codec("fp8c", page_size=48).encode_rows(torch.randn(2, 64))
+    c = get_codec("fp8c", page_size=16)
+    x = offset_pages(2, 16, 32, torch.float32).reshape(2, -1)
+    x[1, 5] = float("inf")
+    with pytest.raises(ValueError):
+        c.encode_rows(x)
