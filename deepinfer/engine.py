@@ -170,10 +170,7 @@ class LLMEngine:
 
     def _check_stop(self, req: Request) -> None:
         p, tok = req.params, req.output_token_ids[-1]
-        if not p.ignore_eos and tok in self.eos_token_ids:
-            req.stop_reason = tok
-            self.scheduler.finish(req, "stop")
-        elif tok in p.stop_token_ids:
+        if (not p.ignore_eos and tok in self.eos_token_ids) or tok in p.stop_token_ids:
             req.stop_reason = tok
             self.scheduler.finish(req, "stop")
         elif p.stop and (hit := self._stop_string(req)) is not None:

@@ -1,4 +1,5 @@
 import pytest
+import torch
 
 from tiny_checkpoints import make_checkpoint, tiny_llama_config
 
@@ -17,3 +18,13 @@ def deepinfer_cache_dir(tmp_path_factory):
 def tiny_llama(tmp_path_factory):
     """Path of a tiny random Llama checkpoint (2 layers, hidden 64) with a ChatML tokenizer."""
     return make_checkpoint(tmp_path_factory.mktemp("tiny_llama"), tiny_llama_config())
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models: intra-op threads only add sync overhead (and thrash on a busy machine).
+    Modules opt in with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -49,6 +49,30 @@ def _scale_kwargs(a: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def _add_workload_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--workload", default="chat",
+                   help="chat|agent|docqa|sharegpt|taubench|sweagent|trace")
+    p.add_argument("--workload-args", default="{}", help="JSON kwargs for the workload builder")
+    p.add_argument("--trace", default=None, help="block trace for --workload trace")
+
+
+def _add_peer_args(p: argparse.ArgumentParser) -> None:
+    """How to talk to OpenAI-compatible endpoints."""
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--request-timeout-s", type=float, default=300.0)
+
+
+def _add_run_limit_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--run-max-requests", type=int, default=None)
+    p.add_argument("--run-max-duration-s", type=float, default=None)
+
+
+def _add_results_args(p: argparse.ArgumentParser, out: str, run_help: str) -> None:
+    p.add_argument("--out", default=out)
+    p.add_argument("--run", default=None, help=run_help)
+    p.add_argument("--no-progress", action="store_true")
+
+
 def add_subcommands(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("ideal", help="ideal (infinite cache) hit rate of block traces")
     p.add_argument("traces", nargs="*", help="trace files/folders (default: all known traces)")
@@ -61,32 +85,22 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
                    help="repeatable; one report column each")
     p.add_argument("--base-url", default=None, help="single endpoint (label: the model name)")
     p.add_argument("--model", action="append", default=[], metavar="[LABEL=]MODEL")
-    p.add_argument("--api-key", default=None)
-    p.add_argument("--workload", default="chat",
-                   help="chat|agent|docqa|sharegpt|taubench|sweagent|trace")
-    p.add_argument("--workload-args", default="{}", help="JSON kwargs for the workload builder")
-    p.add_argument("--trace", default=None, help="block trace for --workload trace")
+    _add_workload_args(p)
     p.add_argument("--vocab-size", type=int, default=32000)
     p.add_argument("--token-low", type=int, default=256, help="smallest token id sent")
     p.add_argument("--concurrency", type=int, default=8)
-    p.add_argument("--request-timeout-s", type=float, default=300.0)
-    p.add_argument("--run-max-requests", type=int, default=None)
-    p.add_argument("--run-max-duration-s", type=float, default=None)
+    _add_peer_args(p)
+    _add_run_limit_args(p)
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--generated-replies", action="store_true",
                    help="append the server's replies even where the dataset recorded one")
-    p.add_argument("--out", default="results")
-    p.add_argument("--run", default=None, help="results/<run> (default: timestamp)")
-    p.add_argument("--no-progress", action="store_true")
+    _add_results_args(p, "results", "results/<run> (default: timestamp)")
     _add_scale_args(p)
     p.set_defaults(func=cmd_client)
 
     p = sub.add_parser("engine", help="drive a workload through an in-process engine, "
                                       "one column per engine config")
-    p.add_argument("--workload", default="chat",
-                   help="chat|agent|docqa|sharegpt|taubench|sweagent|trace")
-    p.add_argument("--workload-args", default="{}", help="JSON kwargs for the workload builder")
-    p.add_argument("--trace", default=None, help="block trace for --workload trace")
+    _add_workload_args(p)
     p.add_argument("--token-low", type=int, default=256, help="smallest token id of trace prompts")
     p.add_argument("--configs", default="off,l1,all",
                    help="comma list of presets (off, l1, all) or names given with --config")
@@ -102,8 +116,7 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
                    help="requests in the engine at once (default: unbounded)")
     p.add_argument("--idle", choices=["sleep", "skip"], default="sleep",
                    help="engine idle before the next arrival: wait for it, or skip the gap")
-    p.add_argument("--run-max-requests", type=int, default=None)
-    p.add_argument("--run-max-duration-s", type=float, default=None)
+    _add_run_limit_args(p)
     p.add_argument("--respect-eos", action="store_true",
                    help="stop at EOS (default: generate exactly max_tokens: equal work per column)")
     p.add_argument("--generated-replies", action="store_true",
@@ -113,11 +126,8 @@ def add_subcommands(sub: argparse._SubParsersAction) -> None:
                    help="also run the workload against an OpenAI-compatible server (e.g. "
                         "llama.cpp's) as one more column of the same report (repeatable)")
     p.add_argument("--endpoint-model", default="default", help="model name sent to endpoints")
-    p.add_argument("--api-key", default=None)
-    p.add_argument("--request-timeout-s", type=float, default=300.0)
-    p.add_argument("--out", default="results")
-    p.add_argument("--run", default=None, help="results/<run> (default: timestamp)")
-    p.add_argument("--no-progress", action="store_true")
+    _add_peer_args(p)
+    _add_results_args(p, "results", "results/<run> (default: timestamp)")
     _add_scale_args(p)
     p.set_defaults(func=cmd_engine)
 
@@ -153,9 +163,7 @@ def add_plan_cache_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentP
     p.add_argument("--selective-hits", type=int, default=2)
     p.add_argument("--kv-bytes-per-token", type=float, default=None,
                    help="report bytes moved between tiers (see python -m deepinfer.models.kv_size)")
-    p.add_argument("--out", default="results/planner")
-    p.add_argument("--run", default=None, help="<out>/<run> (default: the trace name)")
-    p.add_argument("--no-progress", action="store_true")
+    _add_results_args(p, "results/planner", "<out>/<run> (default: the trace name)")
     p.add_argument("--no-plot", action="store_true")
     _add_scale_args(p)
     p.set_defaults(func=cmd_plan_cache)

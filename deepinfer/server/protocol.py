@@ -82,11 +82,7 @@ def get_int(body: dict, name: str, default: int | None = None, lo: int | None = 
         v = int(v)
     if not _is_int(v):
         raise bad(name, f"must be an integer, got {json.dumps(v)}")
-    if lo is not None and v < lo:
-        raise bad(name, f"must be >= {lo}, got {v}")
-    if hi is not None and v > hi:
-        raise bad(name, f"must be <= {hi}, got {v}")
-    return v
+    return _in_range(name, v, lo, hi)
 
 
 def get_num(body: dict, name: str, default: float | None = None, lo: float | None = None,
@@ -96,11 +92,15 @@ def get_num(body: dict, name: str, default: float | None = None, lo: float | Non
         return default
     if not _is_num(v):
         raise bad(name, f"must be a number, got {json.dumps(v)}")
+    return float(_in_range(name, v, lo, hi))
+
+
+def _in_range(name: str, v, lo, hi):
     if lo is not None and v < lo:
         raise bad(name, f"must be >= {lo}, got {v}")
     if hi is not None and v > hi:
         raise bad(name, f"must be <= {hi}, got {v}")
-    return float(v)
+    return v
 
 
 def get_bool(body: dict, name: str, default: bool = False) -> bool:

@@ -23,12 +23,7 @@ def sliding(w, share=None):
     return KVSpec.gqa(2, 16, window=w, share_with=share)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ------------------------------------------------------------------------------ layout
