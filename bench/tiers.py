@@ -95,8 +95,8 @@ def cmd_generations(args) -> None:
 
 # ---------------------------------------------------------------------------------- sections
 def bytes_per_token(model) -> dict:
-    from deepinfer.kv.codecs import get_codec
-    from deepinfer.kv.tiers import PoolTransfer, page_nbytes
+    from deepinfer.kv.tiers.codecs import get_codec
+    from deepinfer.kv.tiers.page_bytes import PoolTransfer, page_nbytes
 
     m = llm(model, num_pages=4)
     t = PoolTransfer(m.engine.runner.pool)
@@ -189,8 +189,8 @@ def ttft_section(model, n_tokens, codecs, workdir: Path) -> dict:
 
 def l3_throughput(model, workdir: Path) -> dict:
     """DiskStore read and whole-load throughput vs dd of the same bytes, page cache dropped."""
-    from deepinfer.kv.disk_store import DiskStore
-    from deepinfer.kv.tier_policy import LoadJob
+    from deepinfer.kv.tiers.disk_store import DiskStore
+    from deepinfer.kv.tiers.backend import LoadJob
 
     disk = workdir / "l3-lossless"
     files = sorted(disk.glob("??/*.kv"))

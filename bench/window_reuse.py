@@ -180,7 +180,7 @@ def summarize(mode: str, turns: list[dict], engine, load_s: float, longest: int,
     held = min(ring_tokens, -(-longest // ps) * ps)
     out["memory"] = dict(
         window=layout.window, sliding_layers=len(layout.layers), ring_pages=w.rings.size,
-        page_size=ps, chunk_tokens=runner.window_chunk_tokens,
+        page_size=ps, chunk_tokens=runner.device_kv.window_chunk_tokens,
         sliding_bytes_per_token=per_token, ring_bytes_max_per_seq=ring_tokens * per_token,
         longest_sequence_tokens=longest, ring_bytes_at_longest=held * per_token,
         paged_sliding_bytes_at_longest=longest * per_token,

@@ -28,7 +28,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_window_args(p: argparse.ArgumentParser) -> None:
-    from .kv.window import REUSE_MODES
+    from .kv.window.manager import REUSE_MODES
 
     d = EngineConfig()
     w = p.add_argument_group("sliding-window layers (hybrid models such as Gemma 2/3, Mistral, gpt-oss)")
@@ -48,8 +48,8 @@ def add_window_args(p: argparse.ArgumentParser) -> None:
 
 
 def add_tier_args(p: argparse.ArgumentParser) -> None:
-    from .kv.codecs import CODEC_NAMES
-    from .kv.tier_policy import POLICIES
+    from .kv.tiers.codecs import CODEC_NAMES
+    from .kv.tiers.policy import POLICIES
 
     d = EngineConfig()
     t = p.add_argument_group("KV cache tiers (L2 host memory, L3 disk)")
@@ -152,8 +152,8 @@ def _open_disk_store(args: argparse.Namespace):
     """The L3 directory for maintenance (every namespace, no capacity eviction); None if absent."""
     import os
 
-    from .kv.disk_store import DiskStore
-    from .kv.tiers import default_disk_dir
+    from .config import default_disk_dir
+    from .kv.tiers.disk_store import DiskStore
 
     path = args.disk_cache_dir or str(default_disk_dir())
     if not os.path.isdir(path):

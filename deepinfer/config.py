@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -25,14 +27,14 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # per-step token budget (chunked prefill)
     enable_prefix_cache: bool = True
     max_node_pages: int = 64  # fixed-interval cap on a radix node (cache-unit granularity)
-    # Sliding-window layers (kv/window.py): per-sequence rings and prefix reuse on hybrid models.
+    # Sliding-window layers (kv/window/): per-sequence rings and prefix reuse on hybrid models.
     window_ring: bool = True  # sliding layers keep only their window (False: every token, paged)
     window_reuse: str = "snapshot"  # snapshot (replay as fallback) | replay | off (recompute hits)
     window_snapshot_interval: int | None = None  # tokens between snapshots; None: the window; 0: none
     window_snapshot_gb: float = 1.0  # host memory for window snapshots (LRU)
     window_replay_tokens: int | None = None  # None: exact replay; fewer tokens: lossy, bounded
     window_chunk_tokens: int | None = None  # largest prefill chunk per sequence; None: the window
-    # Lower KV tiers (kv/tier_policy.py, kv/tiers.py). Both on by default with bounded sizes, so
+    # Lower KV tiers (kv/tiers/). Both on by default with bounded sizes, so
     # a restarted engine keeps its cache with no flags.
     host_cache_gb: float = 4.0  # L2 host DRAM (pinned on CUDA), at most half the available RAM; 0 = off
     enable_disk_cache: bool = True  # L3
@@ -52,8 +54,8 @@ class EngineConfig:
             raise ValueError("max_num_seqs must be >= 1")
         if self.max_num_batched_tokens < self.page_size:
             raise ValueError("max_num_batched_tokens must be >= page_size")
-        from .kv.codecs import CODEC_NAMES
-        from .kv.tier_policy import POLICIES
+        from .kv.tiers.codecs import CODEC_NAMES
+        from .kv.tiers.policy import POLICIES
 
         for name in ("kv_codec_host", "kv_codec_disk"):
             if getattr(self, name) not in CODEC_NAMES:
@@ -64,7 +66,7 @@ class EngineConfig:
             raise ValueError("host_cache_gb and disk_cache_gb must be >= 0")
         if self.selective_hits < 1:
             raise ValueError("selective_hits must be >= 1")
-        from .kv.window import REUSE_MODES
+        from .kv.window.manager import REUSE_MODES
 
         if self.window_reuse not in REUSE_MODES:
             raise ValueError(f"window_reuse must be one of {', '.join(REUSE_MODES)}, got {self.window_reuse!r}")
@@ -82,8 +84,6 @@ class EngineConfig:
             return None
         if self.disk_cache_dir:
             return str(self.disk_cache_dir)
-        from .kv.tiers import default_disk_dir
-
         return str(default_disk_dir())
 
     def torch_device(self) -> torch.device:
@@ -95,3 +95,11 @@ class EngineConfig:
         if self.dtype == "auto":
             return torch.bfloat16 if self.torch_device().type == "cuda" else torch.float32
         return _DTYPES[self.dtype]
+
+
+def default_disk_dir() -> Path:
+    """``$DEEPINFER_KV_CACHE_DIR``, else ``$DEEPINFER_CACHE_DIR/kv``, else ``~/.cache/deepinfer/kv``."""
+    if os.environ.get("DEEPINFER_KV_CACHE_DIR"):
+        return Path(os.environ["DEEPINFER_KV_CACHE_DIR"]).expanduser()
+    base = os.environ.get("DEEPINFER_CACHE_DIR")
+    return (Path(base).expanduser() if base else Path.home() / ".cache" / "deepinfer") / "kv"

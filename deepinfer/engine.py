@@ -15,10 +15,8 @@ from dataclasses import dataclass, field
 
 from .config import EngineConfig
 from .errors import RequestError
+from .kv.build import build_cache_manager, build_tiers
 from .kv.layout import describe
-from .kv.radix import TIER_NAMES
-from .kv.tier_policy import TierPolicy
-from .kv.window import manager_factory
 from .loader import load_checkpoint
 from .model_runner import ModelRunner
 from .request import Request
@@ -43,7 +41,7 @@ class RequestOutput:
     top_logprobs: list[list[tuple[int, float]]] | None = None
     ttft: float | None = None
     latency: float | None = None
-    # prompt tokens of the prefix hit recomputed for sliding-window layers (kv/window.py);
+    # prompt tokens of the prefix hit recomputed for sliding-window layers (kv/window/);
     # cached + replayed + computed == prompt tokens
     num_replayed_tokens: int = 0
 
@@ -69,31 +67,11 @@ class LLMEngine:
         self.model_identity = "|".join([
             ckpt.fingerprint, describe(self.runner.pool.specs), str(self.runner.dtype),
             f"page{config.page_size}"])
-        self.tiers = self._build_tiers()
-        self.kv = manager_factory(self.runner, config)(self.runner.pool.allocator, config.page_size,
-                                 self.model_identity, config.enable_prefix_cache,
-                                 config.max_node_pages, tiers=self.tiers,
-                                 policy=TierPolicy(config.cache_policy, config.selective_hits),
-                                 max_loads=2 * config.max_num_seqs)
+        self.tiers = build_tiers(config, self.runner.pool, self.model_identity)
+        self.kv = build_cache_manager(config, self.runner.device_kv, self.model_identity, self.tiers)
         self.scheduler = Scheduler(config, self.kv)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
-
-    def _build_tiers(self):
-        """L2/L3 backend per the config (None when both are off or prefix caching is)."""
-        from .kv.tiers import PoolTransfer, TierIO, bounded_sizes
-
-        c = self.config
-        if not c.enable_prefix_cache or not self.runner.pool.owned_buffers():
-            return None  # (no buffers: a model of sliding-window layers only, whose pages hold nothing)
-        disk_dir = c.disk_cache_path()
-        sizes = bounded_sizes(c.host_cache_gb, disk_dir, c.disk_cache_gb)
-        if sizes.host_bytes <= 0 and sizes.disk_bytes <= 0:
-            return None
-        return TierIO(PoolTransfer(self.runner.pool), c.page_size, self.model_identity,
-                      host_bytes=sizes.host_bytes, host_codec=c.kv_codec_host,
-                      disk_dir=disk_dir if sizes.disk_bytes > 0 else None,
-                      disk_bytes=sizes.disk_bytes, disk_codec=c.kv_codec_disk)
 
     def shutdown(self, timeout: float | None = 60.0) -> bool:
         """Graceful stop: wait for queued L2/L3 writes to land, stop the tier threads.
@@ -238,8 +216,7 @@ class LLMEngine:
             "waiting": len(self.scheduler.waiting),
             "cache_hit_tokens_by_tier": dict(s.hit_tokens_by_tier),
         }
-        if hasattr(self.kv, "window_stats"):  # sliding-window rings and snapshots
-            out.update(self.kv.window_stats())
+        out.update(self.kv.window_stats())  # sliding-window rings and snapshots (if any)
         t = self.kv.tier_stats()
         if not t:
             return out
@@ -298,7 +275,7 @@ class LLMEngine:
                     self.scheduler.finish(req, "length")
                     self.requests.pop(req.request_id, None)
                     left.discard(id(req))
-        # Replayed tokens (sliding-window models, kv/window.py) were recomputed with a window
+        # Replayed tokens (sliding-window models, kv/window/) were recomputed with a window
         # that may start short: their logits are not the model's, so they are left out.
         return [(torch.cat(chunks[id(r)])[r.num_replayed_tokens :],
                  (r.num_cached_tokens or 0) + r.num_replayed_tokens) for r in reqs]

@@ -4,7 +4,7 @@ New tokens of all sequences are flattened into one dimension: first one token fo
 decoding sequence, then each prefill chunk in turn. Every layer reads the same batch, so
 masks are built once per step (per window size) and reused by all layers.
 
-Models with sliding-window rings (``kv/window.py``) get a second batch, ``window_view``: the same
+Models with sliding-window rings (``kv/window/``) get a second batch, ``window_view``: the same
 tokens with ring slots and ring page tables, whose gathered keys start at ``kv_start`` (a
 position, not 0) and are valid only from ``kv_lo``; ``for_layer(i)`` hands each layer its own.
 """

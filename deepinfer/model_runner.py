@@ -13,8 +13,7 @@ from tqdm import tqdm
 
 from .config import EngineConfig
 from .forward_batch import ForwardBatch, PrefillSegment
-from .kv.pool import PagePool
-from .kv.window import RingState, WindowLayout, WindowPool, window_pool_pages
+from .kv.build import build_device_kv
 from .layers.rotary import RotaryEmbedding
 from .layers.sampler import SampleResult, sample
 from .loader.quantized import dequantized
@@ -33,36 +32,11 @@ class ModelRunner:
         self.model = self._build_model(ckpt, max_model_len)
         self.specs = self.model.kv_specs()
         self.page_size = config.page_size
-        ps = self.page_size
-        budget = None if config.num_pages else config.kv_cache_memory_gb * 2**30
-        # Sliding-window layers keep their KV in per-sequence rings (kv/window.py); the page pool
-        # then holds only the full-attention group.
-        self.window_layout = WindowLayout.from_specs(self.specs) if config.window_ring else None
-        self.window: WindowPool | None = None
-        self.window_chunk_tokens: int | None = None
-        page_specs = self.specs
-        if self.window_layout is not None:
-            lay = self.window_layout
-            page_specs = lay.page_specs(self.specs)
-            self.window_chunk_tokens = lay.chunk_tokens(ps, config.max_num_batched_tokens,
-                                                        config.window_chunk_tokens)
-            ring = lay.ring_pages(ps, self.window_chunk_tokens)
-            wbytes = WindowPool.bytes_per_page(self.specs, lay, ps, self.dtype)
-            wpages = window_pool_pages(lay, ring, wbytes, config.max_num_seqs, budget)
-            self.window = WindowPool(self.specs, lay, wpages, ring, ps, self.dtype, self.device)
-            if budget is not None:
-                budget -= (wpages - 1) * wbytes
-        per_page = PagePool.bytes_per_page(page_specs, ps, self.dtype)
-        if config.num_pages:
-            num_pages = config.num_pages
-        elif per_page:
-            num_pages = max(2, int(budget // per_page))
-        else:  # only window layers: pages hold no bytes, their ids still index the prefix cache
-            num_pages = 2 * config.max_num_seqs * -(-max_model_len // ps) + 1
-        self.pool = PagePool(page_specs, num_pages, ps, self.dtype, self.device)
-        # per layer: the buffers it stores into and attends over
-        self.kv_buffers = [self.window.buffers[i] if self.window is not None and i in self.window.buffers
-                           else self.pool.buffers[i] for i in range(len(self.specs))]
+        self.device_kv = build_device_kv(config, self.specs, max_model_len, self.dtype, self.device)
+        self.pool = self.device_kv.pool
+        self.window = self.device_kv.window  # sliding-window rings (kv/window/), if any
+        self.window_layout = self.window.layout if self.window is not None else None
+        self.kv_buffers = self.device_kv.layer_buffers(len(self.specs))
         self._generator = torch.Generator(device=self.device).manual_seed(config.seed)
 
     def _build_model(self, ckpt: Checkpoint, max_model_len: int):
@@ -132,13 +106,7 @@ class ModelRunner:
             logits_indices=torch.tensor(logit_idx, device=dev, dtype=torch.long),
         )
         if self.window is not None:
-            for r, n in items:  # the cache manager grows rings; direct callers (tests) get them here
-                if r.ring is None:
-                    r.ring = RingState()
-                if not self.window.rings.ensure(r.ring, r.num_computed_tokens + n):
-                    raise RuntimeError("the sliding-window ring pool is exhausted")
-            batch.window_view = self.window.view(batch, decodes, prefills, self.window_chunk_tokens)
-            batch.window_layers = self.window.layout.layers
+            self.window.attach(batch, decodes, prefills, self.device_kv.window_chunk_tokens)
         return batch, sampled
 
     @torch.inference_mode()

@@ -5,11 +5,11 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any
-
 import torch
 
 from .kv.radix import Node
+from .kv.tiers.backend import LoadJob
+from .kv.window.rings import RingState
 from .sampling_params import SamplingParams
 
 
@@ -37,7 +37,7 @@ class Request:
     num_tree_pages: int = 0  # leading pages of ``pages`` owned by the radix tree
     locked_node: Node | None = None
     # lower KV tiers (see kv/cache_manager.py)
-    kv_load: Any = None  # LoadJob bringing the L2/L3 part of the cached prefix back to L1
+    kv_load: LoadJob | None = None  # bringing the L2/L3 part of the cached prefix back to L1
     kv_prefetched: bool = False  # the lookup for this admission attempt was done
     kv_hit_counted: bool = False  # radix hit counts (selective policy) count a request once
     # accounting (set when first scheduled; a preempted request keeps its first numbers)
@@ -45,7 +45,7 @@ class Request:
     cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
     num_recomputed_tokens: int = 0  # tokens recomputed after preemption
     num_replayed_tokens: int = 0  # prompt tokens of the prefix hit recomputed for sliding-window layers
-    ring: Any = None  # sliding-window ring state (kv/window.py RingState)
+    ring: RingState | None = None  # sliding-window ring (kv/window/)
     first_token_time: float | None = None
     finish_time: float | None = None
     logprobs: list[float] = field(default_factory=list)

@@ -35,8 +35,8 @@ class Scheduler:
     def __init__(self, config: EngineConfig, kv: KVCacheManager) -> None:
         self.config = config
         self.kv = kv
-        # one sequence's prefill chunk: capped for sliding-window rings (kv/window.py)
-        self.max_chunk = getattr(kv, "max_chunk_tokens", None) or config.max_num_batched_tokens
+        # one sequence's prefill chunk: capped for sliding-window rings (kv/window/)
+        self.max_chunk = kv.max_chunk_tokens or config.max_num_batched_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from deepinfer.cli import main as cli_main
-from deepinfer.kv.disk_store import DiskStore
+from deepinfer.kv.tiers.disk_store import DiskStore
 from deepinfer.kv.hashing import chain_hashes
 from deepinfer.llm import LLM
 from deepinfer.sampling_params import SamplingParams
@@ -258,7 +258,7 @@ def test_unwritable_dir_serves_correctly(tiny_llama, reference, tmp_path):
 
 
 def test_disk_full_serves_correctly(tiny_llama, reference, tmp_path, monkeypatch):
-    import deepinfer.kv.disk_store as ds
+    import deepinfer.kv.tiers.disk_store as ds
 
     def full(fd):
         raise OSError(errno.ENOSPC, "No space left on device")

@@ -169,9 +169,7 @@ class EngineBackend:
         return self.engine.stats()
 
     def close(self) -> None:
-        shutdown = getattr(self.engine, "shutdown", None)
-        if callable(shutdown):
-            shutdown()  # let queued L2/L3 writes land, stop the tier threads
+        self.engine.shutdown()  # let queued L2/L3 writes land, stop the tier threads
         self.engine = None  # type: ignore[assignment]
 
 

@@ -48,7 +48,7 @@ Capacities
 
 Lower tiers (L2 host, L3 disk)
     ``l2_tokens`` / ``l3_tokens`` give the cache manager the engine's own tier code
-    (``kv.tier_policy.TierManager`` with a ``TierPolicy``: write-through, write-back or
+    (``kv.tiers.policy.TierManager`` with a ``TierPolicy``: write-through, write-back or
     selective after N hits) over ``CountingTierBackend``, the policy's counting backend, so
     placement, demotion, loads back into L1 and capacity accounting are the engine's; only
     the bytes do not move. Loads complete at once (the planner has no clock), so a request
@@ -84,7 +84,8 @@ from deepinfer.config import EngineConfig
 from deepinfer.kv.cache_manager import KVCacheManager
 from deepinfer.kv.pool import PageAllocator
 from deepinfer.kv.radix import TIER_NAMES
-from deepinfer.kv.tier_policy import WRITE_THROUGH, TierBackend, TierPolicy
+from deepinfer.kv.tiers.backend import CountingBackend
+from deepinfer.kv.tiers.policy import WRITE_THROUGH, TierPolicy
 from deepinfer.request import Request
 from deepinfer.sampling_params import SamplingParams
 
@@ -215,7 +216,7 @@ def _unique_keys(uid: int, start: int, stop: int) -> list[bytes]:
 
 
 # ---------------------------------------------------------------------------------- tiers
-class CountingTierBackend(TierBackend):
+class CountingTierBackend(CountingBackend):
     """The tier policy's counting backend (moves nothing) with lazily created L2 slot ids
     and the page hash itself as L3 key: a 1 G-token L2 costs no memory, an L3 write no hash.
     """

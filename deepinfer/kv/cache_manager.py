@@ -2,8 +2,9 @@
 
 It owns the radix tree, the page allocator and (optionally) the lower tiers' ``TierManager``
 but no tensors, so the capacity planner can drive the very same code with no model (the tiers'
-data moves through a ``TierBackend``: ``tiers.TierIO`` in the engine, the counting base class in
-the planner). Ownership rule: the leading ``req.num_tree_pages`` pages of a request belong to
+data moves through a ``TierBackend``: ``TierIO`` in the engine, ``CountingBackend`` in the
+planner). Built by ``build.py``; models with sliding-window layers get the subclass in
+``window/manager.py``. Ownership rule: the leading ``req.num_tree_pages`` pages of a request belong to
 the tree (the request holds a lock on the deepest of them); the rest are the request's own and
 are freed when it ends.
 
@@ -23,7 +24,8 @@ from ..request import Request
 from .hashing import chain_hashes, root_hash
 from .pool import PageAllocator
 from .radix import DEVICE, DISK, HOST, NUM_TIERS, TIER_NAMES, Node, RadixTree
-from .tier_policy import LoadJob, TierBackend, TierManager, TierPolicy
+from .tiers.backend import LoadJob, TierBackend
+from .tiers.policy import TierManager, TierPolicy
 
 
 @dataclass
@@ -41,6 +43,8 @@ class CacheStats:
 
 
 class KVCacheManager:
+    max_chunk_tokens: int | None = None  # cap on one sequence's prefill chunk (None: none)
+
     def __init__(self, allocator: PageAllocator, page_size: int, model_identity: str,
                  enable_prefix_cache: bool = True, max_node_pages: int = 64,
                  tiers: TierBackend | None = None, policy: TierPolicy | None = None,
@@ -307,6 +311,10 @@ class KVCacheManager:
     @property
     def num_free_pages(self) -> int:
         return self.allocator.num_free
+
+    def window_stats(self) -> dict[str, int]:
+        """Sliding-window counters and gauges (none without a window group)."""
+        return {}
 
     def tier_stats(self) -> dict:
         """Per-tier counters for ``LLMEngine.stats()`` (empty without lower tiers)."""

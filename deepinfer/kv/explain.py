@@ -25,9 +25,13 @@ from __future__ import annotations
 
 from collections.abc import Container, Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from .hashing import chain_hashes, root_hash
-from .radix import TIER_NAMES, Node
+from .radix import TIER_NAMES, Node, common_len
+
+if TYPE_CHECKING:
+    from .cache_manager import KVCacheManager
 
 
 @dataclass
@@ -85,15 +89,7 @@ def _walk(tree, hashes: list[bytes]) -> tuple[list[tuple[Node, int]], Node, int]
     return path, node, 0
 
 
-def _common(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
-def explain_prefix(kv, tokens: list[int], salt: str | None = None,
+def explain_prefix(kv: KVCacheManager, tokens: list[int], salt: str | None = None,
                    other_salts: Iterable[str | None] = (),
                    recently_cached: Container[bytes] | None = None,
                    context: int = 16) -> PrefixExplanation:
@@ -174,7 +170,7 @@ def explain_prefix(kv, tokens: list[int], salt: str | None = None,
     for c in cands:
         if c is None:
             continue
-        k = _common(rest, c)
+        k = common_len(rest, c)
         if k > best_len:
             best, best_len = c, k
     if best is not None:

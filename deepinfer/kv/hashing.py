@@ -45,3 +45,10 @@ def chain_hashes(
         out.append(parent)
     return out
 
+
+def disk_key(page_hash: bytes, codec_tag: str) -> str:
+    """L3 file key of a page: blake2b over its chained hash (which covers the model identity,
+    layout, dtype, page size, salt and every token before it) and the disk codec's tag."""
+    h = hashlib.blake2b(page_hash, digest_size=16, person=b"deepinfer-l3key")
+    h.update(codec_tag.encode())
+    return h.hexdigest()

@@ -18,7 +18,7 @@ whole subtree (its descendants' KV needs this prefix), so the subtree is dropped
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -92,7 +92,7 @@ class RadixTree:
             child = node.children.get(hashes[i])
             if child is None:
                 break
-            n = _common_len(child.hashes, hashes, i)
+            n = common_len(child.hashes, hashes, i)
             if n < child.num_pages:
                 child = self._split(child, n)
             path.append(child)
@@ -299,7 +299,8 @@ class RadixTree:
         return count - 1
 
 
-def _common_len(a: Sequence[bytes], b: Sequence[bytes], b_off: int) -> int:
+def common_len(a: Sequence[Hashable], b: Sequence[Hashable], b_off: int = 0) -> int:
+    """Length of the common prefix of ``a`` and ``b[b_off:]`` (page hashes, token ids)."""
     n = min(len(a), len(b) - b_off)
     if a[:n] == b[b_off : b_off + n]:  # the usual case: one C-level comparison
         return n

@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..kv.codecs import get_codec
+from ..kv.tiers.codecs import get_codec
 from ..kv.layout import KVSpec
 from .registry import model_class
 

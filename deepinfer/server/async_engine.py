@@ -261,18 +261,12 @@ class AsyncEngine:
         self._send_outbox()
 
     def _flush(self) -> None:
-        """Let the cache tiers land what they hold: ``engine.shutdown()`` (waits for queued
-        L2/L3 writes, stops the tier threads) where the engine has one, else a ``flush()``
-        of the engine or of its cache manager."""
-        eng = self.engine
-        for obj, name in ((eng, "shutdown"), (eng, "flush"), (getattr(eng, "kv", None), "flush")):
-            fn = getattr(obj, name, None)
-            if callable(fn):
-                try:
-                    fn()
-                except Exception:  # noqa: BLE001 - shutting down: report, don't raise
-                    log.exception("flushing caches failed")
-                return
+        """Let the cache tiers land what they hold (``engine.shutdown()`` waits for queued L2/L3
+        writes and stops the tier threads)."""
+        try:
+            self.engine.shutdown()
+        except Exception:  # noqa: BLE001 - shutting down: report, don't raise
+            log.exception("flushing caches failed")
 
     def _run_call(self, fn: Callable[[], Any], fut: concurrent.futures.Future) -> None:
         if not fut.set_running_or_notify_cancel():

@@ -31,6 +31,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from ..chat import encode_text, extend_prompt, render_text
+from ..kv.radix import common_len
 
 _MAX_LOOKBACK = 8  # assistant messages looked up, newest first
 
@@ -92,14 +93,6 @@ def reply_key(key_state, content: str) -> bytes:
     return h.digest()
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
 class PromptBuilder:
     def __init__(self, tokenizer, end_ids, max_tokens: int) -> None:
         self.tokenizer = tokenizer
@@ -134,7 +127,7 @@ class PromptBuilder:
         ext = extend_prompt(self.tokenizer, prev_messages, prev_ids, reply_ids, messages,
                             self.end_ids)
         if not ext.history_rewritten:
-            reused = _common_prefix(ext.token_ids, prev_ids + reply_ids)
+            reused = common_len(ext.token_ids, prev_ids + reply_ids)
             return BuiltPrompt(ext.token_ids, "extended", False, reused, key_state=h)
         base = render_text(self.tokenizer, prev_messages)
         full = render_text(self.tokenizer, messages)

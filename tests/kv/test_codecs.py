@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from deepinfer.kv.codecs import CODEC_NAMES, PAGE_AWARE, FP4Codec, FP8Codec, get_codec
+from deepinfer.kv.tiers.codecs import CODEC_NAMES, PAGE_AWARE, FP4Codec, FP8Codec, get_codec
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 QUANT = ["fp8", "fp4", "mxfp4"]

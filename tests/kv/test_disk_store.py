@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from deepinfer.kv.disk_store import AsyncDiskWriter, DiskStore
+from deepinfer.kv.tiers.disk_store import DiskStore
 
 NS = "model=abc123;layers=30;codec=fp8-b32;page=16"
 REPO = Path(__file__).resolve().parents[2]
@@ -231,7 +231,7 @@ def test_closed_store_raises(store: DiskStore) -> None:
 _WRITER = textwrap.dedent(
     """
     import os, sys
-    from deepinfer.kv.disk_store import DiskStore
+    from deepinfer.kv.tiers.disk_store import DiskStore
     s = DiskStore(sys.argv[1], 1 << 40, sys.argv[2])
     i = 0
     while True:
@@ -283,57 +283,3 @@ def test_concurrent_threads_put_get(tmp_path: Path) -> None:
     st = s.stats()
     assert st["checksum_failures"] == st["corrupt_files"] == 0
     assert st["bytes"] == sum(f.stat().st_size for f in kv_files(tmp_path)) <= 200_000
-
-
-# ------------------------------------------------------------------------------ AsyncDiskWriter
-
-
-def test_async_writer_flush(store: DiskStore) -> None:
-    w = AsyncDiskWriter(store, max_pending=64)
-    calls = []
-
-    def lazy(i: int):  # encoding happens on the writer thread
-        return lambda: calls.append(i) or bytes([i]) * 100
-
-    for i in range(20):
-        assert w.submit(key(i), lazy(i) if i % 2 else bytes([i]) * 100, 16)
-    assert w.flush(timeout=10)
-    assert all(store.get(key(i)) == bytes([i]) * 100 for i in range(20))
-    assert sorted(calls) == list(range(1, 20, 2))
-    assert w.stats()["written"] == 20 and w.stats()["pending"] == 0
-    assert w.close(timeout=10)
-    assert w.submit(key(99), b"late", 1) is False
-
-
-def test_async_writer_drops_when_full_and_never_blocks(tmp_path: Path) -> None:
-    gate = threading.Event()
-
-    class SlowStore(DiskStore):
-        def put(self, key: str, payload: bytes, token_count: int) -> bool:
-            gate.wait(10)
-            return super().put(key, payload, token_count)
-
-    s = SlowStore(tmp_path, 1 << 20, NS)
-    w = AsyncDiskWriter(s, max_pending=2)
-    t0 = time.monotonic()
-    results = [w.submit(key(i), b"p", 1) for i in range(10)]
-    assert time.monotonic() - t0 < 1.0
-    assert results.count(False) >= 7 and w.stats()["dropped"] == results.count(False)
-    assert not w.flush(timeout=0.05)  # still blocked on the gate
-    gate.set()
-    assert w.flush(timeout=10)
-    assert w.stats()["written"] == results.count(True)
-    w.close()
-
-
-def test_async_writer_survives_failing_payload(store: DiskStore) -> None:
-    w = AsyncDiskWriter(store, max_pending=8)
-
-    def boom() -> bytes:
-        raise RuntimeError("encode failed")
-
-    w.submit(key(1), boom, 1)
-    w.submit(key(2), b"fine", 1)
-    assert w.flush(timeout=10)
-    assert w.stats()["errors"] == 1 and store.get(key(2)) == b"fine"
-    w.close()

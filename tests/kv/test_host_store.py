@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deepinfer.kv.codecs import get_codec
-from deepinfer.kv.host_store import HostStore
+from deepinfer.kv.tiers.codecs import get_codec
+from deepinfer.kv.tiers.host_store import HostStore
 
 
 def test_capacity_and_alloc_free() -> None:

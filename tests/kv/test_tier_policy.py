@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 from deepinfer.kv.cache_manager import KVCacheManager
 from deepinfer.kv.pool import PageAllocator
 from deepinfer.kv.radix import DEVICE, DISK, HOST, NUM_TIERS
-from deepinfer.kv.tier_policy import SELECTIVE, WRITE_BACK, WRITE_THROUGH, TierBackend, TierPolicy
+from deepinfer.kv.tiers.backend import CountingBackend
+from deepinfer.kv.tiers.policy import SELECTIVE, WRITE_BACK, WRITE_THROUGH, TierPolicy
 from deepinfer.request import Request
 from deepinfer.sampling_params import SamplingParams
 
@@ -21,7 +22,7 @@ _ids = itertools.count()
 
 
 def manager(l1_pages, host=0, disk=0, mode=WRITE_BACK, hits=2):
-    backend = TierBackend(host_pages=host, disk_pages=disk)
+    backend = CountingBackend(host_pages=host, disk_pages=disk)
     kv = KVCacheManager(PageAllocator(l1_pages + 1), PS, "model", tiers=backend,
                         policy=TierPolicy(mode, hits), max_node_pages=4)
     return kv, backend
@@ -106,7 +107,7 @@ def test_bounded_tiers_drop_and_subtrees_go():
 
 
 def test_failed_disk_write_forgets_the_record():
-    class Failing(TierBackend):
+    class Failing(CountingBackend):
         def __init__(self):
             super().__init__(host_pages=0, disk_pages=100)
             self.failed = []

@@ -9,12 +9,13 @@ import time
 import pytest
 import torch
 
-from deepinfer.kv.codecs import get_codec
+from deepinfer.kv.tiers.codecs import get_codec
 from deepinfer.kv.layout import KVSpec
 from deepinfer.kv.pool import PagePool
 from deepinfer.kv.radix import DISK, HOST
-from deepinfer.kv.tier_policy import LoadJob
-from deepinfer.kv.tiers import PoolTransfer, TierIO, decode_pages, encode_pages, page_nbytes
+from deepinfer.kv.tiers.backend import LoadJob
+from deepinfer.kv.tiers.page_bytes import PoolTransfer, decode_pages, encode_pages, page_nbytes
+from deepinfer.kv.tiers.tier_io import TierIO
 
 PS = 4
 SPECS = [KVSpec.gqa(2, 16), KVSpec.gqa(2, 16, share_with=0), KVSpec((("kv", (1, 48)),))]
@@ -146,7 +147,7 @@ def test_l2_to_l3_transcodes_between_codecs(tmp_path):
 
 
 def test_failed_and_dropped_writes(tmp_path, monkeypatch):
-    import deepinfer.kv.disk_store as ds
+    import deepinfer.kv.tiers.disk_store as ds
 
     p = pool()
     t = io(p, tmp_path, host_bytes=0)

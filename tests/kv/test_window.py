@@ -1,4 +1,4 @@
-"""Sliding-window rings (kv/window.py): the window group of a layout, ring allocation, the ring
+"""Sliding-window rings (kv/window/): the window group of a layout, ring allocation, the ring
 view's masks, snapshots' LRU, and sliding-layer memory staying O(window) in a long generation."""
 
 import random
@@ -9,8 +9,10 @@ from transformers import Gemma3TextConfig, MistralConfig
 
 from deepinfer.forward_batch import ForwardBatch, PrefillSegment
 from deepinfer.kv.layout import KVSpec
-from deepinfer.kv.window import (RingAllocator, RingState, WindowLayout, WindowPool, WindowSnapshot,
-                                 WindowSnapshotStore)
+from deepinfer.kv.window.layout import WindowLayout
+from deepinfer.kv.window.pool import WindowPool
+from deepinfer.kv.window.rings import RingAllocator, RingState
+from deepinfer.kv.window.snapshots import WindowSnapshot, WindowSnapshotStore
 from deepinfer.llm import LLM
 from deepinfer.request import Request
 from deepinfer.sampling_params import SamplingParams

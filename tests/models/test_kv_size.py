@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from deepinfer.kv.codecs import get_codec
+from deepinfer.kv.tiers.codecs import get_codec
 from deepinfer.kv.pool import PagePool
 from deepinfer.models.kv_size import kv_bytes_per_token, kv_layout, reference_configs, tables
 

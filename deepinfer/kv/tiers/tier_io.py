@@ -2,12 +2,8 @@
 
 ``TierIO`` moves pages between the device pool (through a ``KVTransfer``), the L2 host store
 (``HostStore`` slots, pinned on CUDA) and the L3 disk store (``DiskStore`` files), encoding
-with a codec per tier. Policy (what moves where, when, capacity) lives in ``tier_policy.py``.
-
-A page's bytes in a tier: for each buffer the pool owns (``PagePool.owned_buffers``: each
-layer's K and V, or an MLA latent), the page's slice flattened and encoded on its own (FP4's
-per-page scale must not span layers), concatenated in buffer order. ``encode_pages`` /
-``decode_pages`` do it for many pages at once (``Codec.encode_rows``).
+with a codec per tier (a page's bytes: ``page_bytes.py``). Policy (what moves where, when,
+capacity) lives in ``policy.py``.
 
 Threads, so that neither decoding nor the scheduler waits on a copy:
 
@@ -32,158 +28,25 @@ from __future__ import annotations
 import atexit
 import contextlib
 import logging
-import math
 import os
-import shutil
 import threading
 import time
 import weakref
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Any, Callable
 
 import numpy as np
 import torch
 
+from ..radix import DISK, HOST
+from .backend import MOVES, LoadJob, TierBackend
 from .codecs import Codec, get_codec
 from .disk_store import DiskStore
 from .host_store import HostStore
-from .radix import DISK, HOST
-from .tier_policy import LoadJob, TierBackend, disk_key
+from .page_bytes import KVTransfer, check_codec, decode_pages, encode_pages, page_nbytes
 
 log = logging.getLogger(__name__)
-
-__all__ = ["KVTransfer", "PoolTransfer", "TierIO", "TierSizes", "default_disk_dir",
-           "encode_pages", "decode_pages", "page_nbytes"]
-
-
-class KVTransfer(Protocol):
-    """Where L1 pages are read from and written to (``PoolTransfer`` over the ``PagePool``)."""
-
-    shapes: list[tuple[int, ...]]  # per owned buffer: one page's shape, [page_size, *per_token]
-    dtype: torch.dtype
-    device: torch.device
-
-    def read_pages(self, pages: list[int]) -> list[torch.Tensor]: ...
-
-    def write_pages(self, pages: list[int], data: list[torch.Tensor]) -> None: ...
-
-
-class PoolTransfer:
-    """``KVTransfer`` over a ``PagePool``."""
-
-    def __init__(self, pool: Any) -> None:
-        self.pool = pool
-        bufs = pool.owned_buffers()
-        self.shapes = [tuple(b.shape[1:]) for b in bufs]
-        self.dtype = pool.dtype
-        self.device = bufs[0].device
-
-    def read_pages(self, pages: list[int]) -> list[torch.Tensor]:
-        return self.pool.read_pages(pages)
-
-    def write_pages(self, pages: list[int], data: list[torch.Tensor]) -> None:
-        self.pool.write_pages(pages, data)
-
-
-# ------------------------------------------------------------------------------ page bytes
-
-
-def page_nbytes(codec: Codec, shapes: list[tuple[int, ...]], dtype: torch.dtype) -> int:
-    """Encoded bytes of one page (all buffers)."""
-    return sum(codec.encoded_nbytes((math.prod(s),), dtype) for s in shapes)
-
-
-def encode_pages(codec: Codec, data: list[torch.Tensor]) -> torch.Tensor:
-    """Per-buffer page tensors [n, *page_shape] -> [n, page_nbytes] uint8 (on data's device)."""
-    n = data[0].shape[0]
-    return torch.cat([codec.encode_rows(d.reshape(n, -1)) for d in data], dim=1)
-
-
-def decode_pages(codec: Codec, rows: torch.Tensor, shapes: list[tuple[int, ...]],
-                 dtype: torch.dtype) -> list[torch.Tensor]:
-    """Inverse of ``encode_pages``: [n, page_nbytes] uint8 -> per-buffer [n, *page_shape].
-    Lossless pages come back as views into ``rows`` (no copy: a buffer's bytes are a column
-    range whose offset and row stride are multiples of the element size)."""
-    n, out, off = rows.shape[0], [], 0
-    rows = rows.contiguous()
-    view = codec.name == "lossless" and rows.shape[1] % torch.empty((), dtype=dtype).element_size() == 0
-    for s in shapes:
-        m = math.prod(s)
-        b = codec.encoded_nbytes((m,), dtype)
-        if view:
-            out.append(rows[:, off : off + b].view(dtype).reshape(n, *s))
-        else:
-            out.append(codec.decode_rows(rows[:, off : off + b], m, dtype).reshape(n, *s))
-        off += b
-    if off != rows.shape[1]:
-        raise ValueError(f"page rows of {rows.shape[1]} bytes, layout needs {off}")
-    return out
-
-
-def check_codec(codec: Codec, shapes: list[tuple[int, ...]]) -> None:
-    for s in shapes:
-        if math.prod(s) % codec.block_size:
-            raise ValueError(f"KV codec {codec.tag}: a page buffer of {math.prod(s)} elements "
-                             f"{s} is not a multiple of its block size {codec.block_size}")
-
-
-# ------------------------------------------------------------------------------ sizing
-
-
-def default_disk_dir() -> Path:
-    """``$DEEPINFER_KV_CACHE_DIR``, else ``$DEEPINFER_CACHE_DIR/kv``, else ``~/.cache/deepinfer/kv``."""
-    if os.environ.get("DEEPINFER_KV_CACHE_DIR"):
-        return Path(os.environ["DEEPINFER_KV_CACHE_DIR"]).expanduser()
-    base = os.environ.get("DEEPINFER_CACHE_DIR")
-    return (Path(base).expanduser() if base else Path.home() / ".cache" / "deepinfer") / "kv"
-
-
-def available_memory() -> int | None:
-    """Bytes of RAM available to new allocations (Linux MemAvailable), None if unknown."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
-
-
-@dataclass
-class TierSizes:
-    host_bytes: int
-    disk_bytes: int
-
-
-def bounded_sizes(host_gb: float, disk_dir: str | None, disk_gb: float) -> TierSizes:
-    """Requested sizes, bounded: L2 by half the available RAM, L3 by what the disk can take
-    (its files already there plus half the free space)."""
-    host = int(host_gb * 2**30)
-    avail = available_memory()
-    if avail is not None:
-        host = min(host, avail // 2)
-    disk = int(disk_gb * 2**30) if disk_dir else 0
-    if disk_dir and disk:
-        probe = Path(disk_dir)
-        while not probe.exists() and probe != probe.parent:
-            probe = probe.parent
-        try:
-            free = shutil.disk_usage(probe).free
-            used = sum(f.stat().st_size for f in Path(disk_dir).glob("??/*.kv")) if Path(disk_dir).is_dir() else 0
-            disk = min(disk, used + free // 2)
-        except OSError:
-            pass
-    return TierSizes(max(0, host), max(0, disk))
-
-
-# ------------------------------------------------------------------------------ TierIO
 
 
 class TierIO(TierBackend):
@@ -224,7 +87,10 @@ class TierIO(TierBackend):
         if use_disk:
             self.store = DiskStore(disk_dir, disk_bytes, self.namespace)
             disk_pages = disk_bytes // (self.disk_page_nbytes + self.FILE_OVERHEAD)
-        super().__init__(host_pages, disk_pages, codec_tag=self.disk_codec.tag)
+        self.host_capacity = host_pages
+        self.disk_capacity = disk_pages
+        self.codec_tag = self.disk_codec.tag
+        self.moved = dict.fromkeys(MOVES, 0)  # (only loads are counted here)
         self.max_pending_bytes = max_pending_bytes
         self._lock = threading.Lock()
         self._cv = threading.Condition(self._lock)
@@ -246,10 +112,6 @@ class TierIO(TierBackend):
              "load_errors"], 0)  # fmt: skip
         self._side = torch.cuda.Stream(self.device) if self.cuda else None
         _live.add(self)
-
-    # ---------------------------------------------------------------- keys
-    def disk_key(self, page_hash: bytes) -> str:
-        return disk_key(page_hash, self.disk_codec.tag)
 
     # ---------------------------------------------------------------- L2 slots
     def host_alloc(self, n: int) -> list[int] | None:
@@ -546,9 +408,6 @@ class TierIO(TierBackend):
         self.transfer.write_pages(pages, [d[:n] for d in job.data])
         for t in job.page_tiers[:n]:
             self.moved["host->device" if t == HOST else "disk->device"] += 1
-
-    def drop_load(self, job: LoadJob) -> None:
-        job.data = None
 
     def wait(self, timeout: float | None = None) -> bool:
         with self._cv:

@@ -24,7 +24,7 @@ Safety rules, because this is a cache and the engine must keep serving:
   file someone else already removed is fine. Each process enforces the bound over the files it
   knows about, so several writers can briefly overshoot it by what the others added.
 
-``AsyncDiskWriter`` moves writes off the decode loop: a bounded queue drained by one thread.
+The engine writes through ``TierIO``'s writer thread (``tier_io.py``), never on the decode loop.
 """
 
 from __future__ import annotations
@@ -34,16 +34,14 @@ import hashlib
 import json
 import logging
 import os
-import queue
 import re
 import struct
 import zlib
 import threading
 import time
 from collections import OrderedDict
-from typing import Callable
 
-__all__ = ["DiskStore", "AsyncDiskWriter", "FORMAT_VERSION", "MAGIC"]
+__all__ = ["DiskStore", "FORMAT_VERSION", "MAGIC"]
 
 log = logging.getLogger(__name__)
 
@@ -470,85 +468,3 @@ def _listdir_quiet(path: str) -> list[str]:
         return os.listdir(path)
     except OSError:
         return []
-
-
-PayloadSource = bytes | bytearray | memoryview | Callable[[], bytes]
-
-
-class AsyncDiskWriter:
-    """Background writer so the decode loop never waits on disk.
-
-    ``submit`` never blocks: when ``max_pending`` writes are queued it drops the page (a cache may
-    forget) and counts it. ``payload`` may be a callable so encoding also happens off the hot path.
-    """
-
-    def __init__(self, store: DiskStore, max_pending: int = 256) -> None:
-        self.store = store
-        self._queue: queue.Queue[tuple[str, PayloadSource, int] | None] = queue.Queue(max_pending)
-        self._cv = threading.Condition()
-        self._pending: set[str] = set()
-        self._inflight = 0  # queued + being written
-        self._closed = False
-        self._counters = {"submitted": 0, "written": 0, "dropped": 0, "duplicates": 0, "errors": 0}
-        self._thread = threading.Thread(target=self._run, name="deepinfer-disk-writer", daemon=True)
-        self._thread.start()
-
-    def submit(self, key: str, payload: PayloadSource, token_count: int) -> bool:
-        """Queue a write; False if dropped (queue full or writer closed). Never blocks."""
-        with self._cv:
-            if self._closed:
-                self._counters["dropped"] += 1
-                return False
-            if key in self._pending:
-                self._counters["duplicates"] += 1
-                return True
-            try:
-                self._queue.put_nowait((key, payload, token_count))
-            except queue.Full:
-                self._counters["dropped"] += 1
-                return False
-            self._pending.add(key)
-            self._inflight += 1
-            self._counters["submitted"] += 1
-            return True
-
-    def _run(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            key, payload, token_count = item
-            ok = False
-            try:
-                data = payload() if callable(payload) else payload
-                ok = self.store.put(key, bytes(data), token_count)
-            except Exception:  # a bad payload callback must not kill the writer thread
-                log.exception("disk KV writer: write of %s failed", key)
-            with self._cv:
-                self._counters["written" if ok else "errors"] += 1
-                self._pending.discard(key)
-                self._inflight -= 1
-                self._cv.notify_all()
-
-    def flush(self, timeout: float | None = None) -> bool:
-        """Wait until every submitted write has finished. False if ``timeout`` expired first."""
-        with self._cv:
-            return self._cv.wait_for(lambda: self._inflight == 0, timeout)
-
-    def close(self, timeout: float | None = None) -> bool:
-        """Finish pending writes (up to ``timeout``), then stop the thread. Idempotent."""
-        with self._cv:
-            if self._closed:
-                return self._inflight == 0
-            self._closed = True
-        done = self.flush(timeout)
-        try:  # the queue is only full here if the flush timed out
-            self._queue.put(None, timeout=timeout)
-        except queue.Full:
-            return False
-        self._thread.join(timeout)
-        return done
-
-    def stats(self) -> dict[str, int]:
-        with self._cv:
-            return {**self._counters, "pending": self._inflight}

@@ -1,9 +1,9 @@
 """Tier policy: where cached KV pages live (L1 device, L2 host DRAM, L3 disk) and when they move.
 
 Model-free and tensor-free, like the radix tree: this module decides and keeps the capacity
-accounting on the tree; the bytes move through a ``TierBackend``. The engine's backend is
-``tiers.TierIO`` (codecs, pinned host slots, files, background threads); ``TierBackend`` itself
-moves nothing and only counts, which is what the capacity planner and the policy tests run.
+accounting on the tree; the bytes move through a ``TierBackend`` (``backend.py``): the engine's
+is ``TierIO`` (codecs, pinned host slots, files, background threads), the capacity planner's and
+the policy tests' ``CountingBackend``, which moves nothing and only counts.
 
 Placement (``TierPolicy.mode``):
 
@@ -33,24 +33,15 @@ has the backend copy the data in and inserts the pages into the tree.
 
 from __future__ import annotations
 
-import hashlib
-import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from .radix import DEVICE, DISK, HOST, NUM_TIERS, TIER_NAMES, Node, RadixTree
+from ..radix import DEVICE, DISK, HOST, NUM_TIERS, TIER_NAMES, Node, RadixTree
+from .backend import LoadJob, PageSource, TierBackend
 
 WRITE_THROUGH, WRITE_BACK, SELECTIVE = "write_through", "write_back", "selective"
 POLICIES = (WRITE_THROUGH, WRITE_BACK, SELECTIVE)
-
-
-def disk_key(page_hash: bytes, codec_tag: str) -> str:
-    """L3 file key of a page: blake2b over its chained hash (which covers the model identity,
-    layout, dtype, page size, salt and every token before it) and the disk codec's tag."""
-    h = hashlib.blake2b(page_hash, digest_size=16, person=b"deepinfer-l3key")
-    h.update(codec_tag.encode())
-    return h.hexdigest()
 
 
 @dataclass
@@ -73,124 +64,6 @@ class TierPolicy:
     def demote_to_disk(self, node: Node) -> bool:
         """Keep this node on L3 when the tier above evicts it (and it is not there yet)?"""
         return self.mode != SELECTIVE or node.hits >= self.selective_hits
-
-
-@dataclass(eq=False)
-class LoadJob:
-    """Pages to bring back into L1: ``sources`` (tier, slot or key) in chain order, then the
-    L3 keys in ``probe``, read until the first miss. Filled by the backend."""
-
-    sources: list[tuple[int, Any]]
-    probe: list[str] = field(default_factory=list)
-    t_start: float = field(default_factory=time.perf_counter)
-    # set by the backend
-    done: bool = False
-    cancelled: bool = False
-    num_loaded: int = 0  # leading pages whose data is ready
-    page_tiers: list[int] = field(default_factory=list)  # source tier of each loaded page
-    failed_at: int | None = None  # index of a source page that could not be read
-    data: Any = None  # backend-specific payload (the engine's: per-component tensors)
-    seconds: float = 0.0
-    # set by the cache manager
-    start: int = 0  # first page (pages before it are in L1)
-    prefix_pages: list[int] = field(default_factory=list)  # their L1 page ids
-    locked: Node | None = None
-    source_nodes: list[Node] = field(default_factory=list)  # tree node of each source page
-
-
-class TierBackend:
-    """Data movement between tiers. This base class moves nothing and only counts pages: the
-    capacity planner's backend (and the policy tests'). ``tiers.TierIO`` is the engine's.
-
-    Every ``*_to_*`` call captures the data it needs before returning (the caller frees or
-    reuses the source right after) and may finish the copy in the background. Those that
-    return bool may refuse (back-pressure, disabled tier): nothing was recorded then.
-    """
-
-    def __init__(self, host_pages: int = 0, disk_pages: int = 0, codec_tag: str = "count") -> None:
-        self.host_capacity = host_pages  # L2 pages (0: no L2)
-        self.disk_capacity = disk_pages  # L3 pages the tree may index (0: no L3)
-        self.codec_tag = codec_tag
-        self._free_slots = list(range(host_pages - 1, -1, -1))
-        self.moved = {"device->host": 0, "device->disk": 0, "host->disk": 0,
-                      "host->device": 0, "disk->device": 0}  # fmt: skip
-
-    # ---------------------------------------------------------------- L2 slots
-    def host_alloc(self, n: int) -> list[int] | None:
-        if n > len(self._free_slots):
-            return None
-        out = self._free_slots[len(self._free_slots) - n :]
-        del self._free_slots[len(self._free_slots) - n :]
-        return out
-
-    def host_free(self, slots: list[int]) -> None:
-        self._free_slots.extend(slots)
-
-    # ---------------------------------------------------------------- copies down
-    def disk_key(self, page_hash: bytes) -> str:
-        return disk_key(page_hash, self.codec_tag)
-
-    def device_to_host(self, pages: list[int], slots: list[int]) -> None:
-        self.moved["device->host"] += len(pages)
-
-    def device_to_disk(self, pages: list[int], keys: list[str]) -> bool:
-        self.moved["device->disk"] += len(pages)
-        return True
-
-    def host_to_disk(self, slots: list[int], keys: list[str]) -> bool:
-        self.moved["host->disk"] += len(slots)
-        return True
-
-    # ---------------------------------------------------------------- loads
-    def disk_contains(self, key: str, indexed: bool = False) -> bool:
-        """Is a page the tree does not index on L3? ``indexed``: ask only the store's in-memory
-        index, no system call (misses files other processes added since start-up). (No
-        persistence here: never.)"""
-        return False
-
-    def write_file(self, key: str, data: Callable[[], Any], nbytes: int, token_count: int) -> bool:
-        """Write a file that is no tree page (a window snapshot) to L3 in the background."""
-        return False
-
-    def read_file(self, key: str, nbytes: int) -> Any:
-        """Such a file's payload (``nbytes``), or None if absent or bad."""
-        return None
-
-    def start_load(self, job: LoadJob) -> None:
-        """Begin filling ``job``; this one completes at once."""
-        job.page_tiers = [t for t, _ in job.sources]
-        job.num_loaded = len(job.sources)
-        job.done = True
-
-    def finish_load(self, job: LoadJob, pages: list[int]) -> None:
-        """Copy the first ``len(pages)`` loaded pages of ``job`` into L1 ``pages``."""
-        for t in job.page_tiers[: len(pages)]:
-            self.moved[f"{TIER_NAMES[t]}->device"] += 1
-
-    def drop_load(self, job: LoadJob) -> None:
-        """Free what a finished job holds (its data was used or is no longer wanted)."""
-        job.data = None
-
-    def wait(self, timeout: float | None = None) -> bool:
-        """Block until some load finishes (or ``timeout``); False if none was in flight."""
-        return False
-
-    # ---------------------------------------------------------------- housekeeping
-    def poll_failed_writes(self) -> list[str]:
-        """Keys of L3 writes that failed since the last call (their tree records are stale)."""
-        return []
-
-    def flush(self, timeout: float | None = None) -> bool:
-        return True
-
-    def close(self, timeout: float | None = None) -> bool:
-        return True
-
-    def stats(self) -> dict[str, Any]:
-        return {"pages_moved": dict(self.moved)}
-
-
-ReleaseFn = Callable[[Node, int], None]
 
 
 class TierManager:
@@ -313,7 +186,7 @@ class TierManager:
             prefix += path[i].tiers[DEVICE]
             start += path[i].num_pages
             i += 1
-        sources: list[tuple[int, Any]] = []
+        sources: list[PageSource] = []
         nodes: list[Node] = []
         for node in path[i:]:
             if node.tiers[HOST] is not None:

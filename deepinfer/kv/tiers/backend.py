@@ -1,0 +1,187 @@
+"""The tier backend contract (``TierBackend``), the load job it fills (``LoadJob``), and
+``CountingBackend``, which moves nothing: the capacity planner's and the policy tests'.
+
+The tier manager (``policy.py``) decides what moves; a backend moves it. The engine's backend is
+``TierIO`` (``tier_io.py``: codecs, pinned host slots, files, background threads).
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..hashing import disk_key
+from ..radix import TIER_NAMES, Node
+
+DiskKey = str | bytes  # an L3 key (``disk_key``; the planner uses the page hash itself)
+PageSource = tuple[int, int | DiskKey]  # (tier, L2 slot or L3 key) of a page to load
+MOVES = ("device->host", "device->disk", "host->disk", "host->device", "disk->device")
+
+
+@dataclass(eq=False)
+class LoadJob:
+    """Pages to bring back into L1: ``sources`` (tier, slot or key) in chain order, then the
+    L3 keys in ``probe``, read until the first miss. Filled by the backend."""
+
+    sources: list[PageSource]
+    probe: list[DiskKey] = field(default_factory=list)
+    t_start: float = field(default_factory=time.perf_counter)
+    # set by the backend
+    done: bool = False
+    cancelled: bool = False
+    num_loaded: int = 0  # leading pages whose data is ready
+    page_tiers: list[int] = field(default_factory=list)  # source tier of each loaded page
+    failed_at: int | None = None  # index of a source page that could not be read
+    data: list[torch.Tensor] | None = None  # per owned buffer: the loaded pages (engine backend)
+    seconds: float = 0.0
+    # set by the cache manager
+    start: int = 0  # first page (pages before it are in L1)
+    prefix_pages: list[int] = field(default_factory=list)  # their L1 page ids
+    locked: Node | None = None
+    source_nodes: list[Node] = field(default_factory=list)  # tree node of each source page
+
+
+class TierBackend(ABC):
+    """Data movement between tiers.
+
+    Every ``*_to_*`` call captures the data it needs before returning (the caller frees or
+    reuses the source right after) and may finish the copy in the background. Those that
+    return bool may refuse (back-pressure, disabled tier): nothing was recorded then.
+    """
+
+    host_capacity: int  # L2 pages (0: no L2)
+    disk_capacity: int  # L3 pages the tree may index (0: no L3)
+    codec_tag: str  # the disk codec's: part of every L3 key
+
+    def disk_key(self, page_hash: bytes) -> DiskKey:
+        return disk_key(page_hash, self.codec_tag)
+
+    # ---------------------------------------------------------------- L2 slots
+    @abstractmethod
+    def host_alloc(self, n: int) -> list[int] | None: ...
+
+    @abstractmethod
+    def host_free(self, slots: list[int]) -> None: ...
+
+    # ---------------------------------------------------------------- copies down
+    @abstractmethod
+    def device_to_host(self, pages: list[int], slots: list[int]) -> None: ...
+
+    @abstractmethod
+    def device_to_disk(self, pages: list[int], keys: list[DiskKey]) -> bool: ...
+
+    @abstractmethod
+    def host_to_disk(self, slots: list[int], keys: list[DiskKey]) -> bool: ...
+
+    # ---------------------------------------------------------------- files and loads
+    @abstractmethod
+    def disk_contains(self, key: DiskKey, indexed: bool = False) -> bool:
+        """Is a page the tree does not index on L3? ``indexed``: ask only the store's in-memory
+        index, no system call (misses files other processes added since start-up)."""
+
+    @abstractmethod
+    def write_file(self, key: str, data: Callable[[], torch.Tensor], nbytes: int,
+                   token_count: int) -> bool:
+        """Write a file that is no tree page (a window snapshot) to L3 in the background."""
+
+    @abstractmethod
+    def read_file(self, key: str, nbytes: int) -> memoryview | None:
+        """Such a file's payload (``nbytes``), or None if absent or bad."""
+
+    @abstractmethod
+    def start_load(self, job: LoadJob) -> None:
+        """Begin filling ``job`` (``job.done`` once filled)."""
+
+    @abstractmethod
+    def finish_load(self, job: LoadJob, pages: list[int]) -> None:
+        """Copy the first ``len(pages)`` loaded pages of ``job`` into L1 ``pages``."""
+
+    def drop_load(self, job: LoadJob) -> None:
+        """Free what a finished job holds (its data was used or is no longer wanted)."""
+        job.data = None
+
+    @abstractmethod
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until some load finishes (or ``timeout``); False if none was in flight."""
+
+    # ---------------------------------------------------------------- housekeeping
+    @abstractmethod
+    def poll_failed_writes(self) -> list[DiskKey]:
+        """Keys of L3 writes that failed since the last call (their tree records are stale)."""
+
+    @abstractmethod
+    def close(self, timeout: float | None = None) -> bool:
+        """Let pending writes land (up to ``timeout``), stop; True if all landed."""
+
+    @abstractmethod
+    def stats(self) -> dict[str, Any]: ...
+
+
+class CountingBackend(TierBackend):
+    """Moves nothing and only counts pages (``moved``); L2 slots are plain ids, L3 never
+    persists (``disk_contains`` is always False)."""
+
+    def __init__(self, host_pages: int = 0, disk_pages: int = 0, codec_tag: str = "count") -> None:
+        self.host_capacity = host_pages
+        self.disk_capacity = disk_pages
+        self.codec_tag = codec_tag
+        self._free_slots = list(range(host_pages - 1, -1, -1))
+        self.moved = dict.fromkeys(MOVES, 0)  # pages per move
+
+    def host_alloc(self, n: int) -> list[int] | None:
+        if n > len(self._free_slots):
+            return None
+        out = self._free_slots[len(self._free_slots) - n :]
+        del self._free_slots[len(self._free_slots) - n :]
+        return out
+
+    def host_free(self, slots: list[int]) -> None:
+        self._free_slots.extend(slots)
+
+    def device_to_host(self, pages: list[int], slots: list[int]) -> None:
+        self.moved["device->host"] += len(pages)
+
+    def device_to_disk(self, pages: list[int], keys: list[DiskKey]) -> bool:
+        self.moved["device->disk"] += len(pages)
+        return True
+
+    def host_to_disk(self, slots: list[int], keys: list[DiskKey]) -> bool:
+        self.moved["host->disk"] += len(slots)
+        return True
+
+    def disk_contains(self, key: DiskKey, indexed: bool = False) -> bool:
+        return False
+
+    def write_file(self, key: str, data: Callable[[], torch.Tensor], nbytes: int,
+                   token_count: int) -> bool:
+        return False
+
+    def read_file(self, key: str, nbytes: int) -> memoryview | None:
+        return None
+
+    def start_load(self, job: LoadJob) -> None:
+        """Completes at once."""
+        job.page_tiers = [t for t, _ in job.sources]
+        job.num_loaded = len(job.sources)
+        job.done = True
+
+    def finish_load(self, job: LoadJob, pages: list[int]) -> None:
+        for t in job.page_tiers[: len(pages)]:
+            self.moved[f"{TIER_NAMES[t]}->device"] += 1
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return False
+
+    def poll_failed_writes(self) -> list[DiskKey]:
+        return []
+
+    def close(self, timeout: float | None = None) -> bool:
+        return True
+
+    def stats(self) -> dict[str, Any]:
+        return {"pages_moved": dict(self.moved)}

@@ -1,0 +1,85 @@
+"""A page's bytes in a lower tier, and the device pool they are copied from and to.
+
+For each buffer the pool owns (``PagePool.owned_buffers``: each layer's K and V, or an MLA
+latent), the page's slice flattened and encoded on its own (FP4's per-page scale must not span
+layers), concatenated in buffer order. ``encode_pages`` / ``decode_pages`` do it for many pages
+at once (``Codec.encode_rows``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Protocol
+
+import torch
+
+from ..pool import PagePool
+from .codecs import Codec
+
+
+class KVTransfer(Protocol):
+    """Where L1 pages are read from and written to (``PoolTransfer`` over the ``PagePool``)."""
+
+    shapes: list[tuple[int, ...]]  # per owned buffer: one page's shape, [page_size, *per_token]
+    dtype: torch.dtype
+    device: torch.device
+
+    def read_pages(self, pages: list[int]) -> list[torch.Tensor]: ...
+
+    def write_pages(self, pages: list[int], data: list[torch.Tensor]) -> None: ...
+
+
+class PoolTransfer:
+    """``KVTransfer`` over a ``PagePool``."""
+
+    def __init__(self, pool: PagePool) -> None:
+        self.pool = pool
+        bufs = pool.owned_buffers()
+        self.shapes = [tuple(b.shape[1:]) for b in bufs]
+        self.dtype = pool.dtype
+        self.device = bufs[0].device
+
+    def read_pages(self, pages: list[int]) -> list[torch.Tensor]:
+        return self.pool.read_pages(pages)
+
+    def write_pages(self, pages: list[int], data: list[torch.Tensor]) -> None:
+        self.pool.write_pages(pages, data)
+
+
+def page_nbytes(codec: Codec, shapes: list[tuple[int, ...]], dtype: torch.dtype) -> int:
+    """Encoded bytes of one page (all buffers)."""
+    return sum(codec.encoded_nbytes((math.prod(s),), dtype) for s in shapes)
+
+
+def encode_pages(codec: Codec, data: list[torch.Tensor]) -> torch.Tensor:
+    """Per-buffer page tensors [n, *page_shape] -> [n, page_nbytes] uint8 (on data's device)."""
+    n = data[0].shape[0]
+    return torch.cat([codec.encode_rows(d.reshape(n, -1)) for d in data], dim=1)
+
+
+def decode_pages(codec: Codec, rows: torch.Tensor, shapes: list[tuple[int, ...]],
+                 dtype: torch.dtype) -> list[torch.Tensor]:
+    """Inverse of ``encode_pages``: [n, page_nbytes] uint8 -> per-buffer [n, *page_shape].
+    Lossless pages come back as views into ``rows`` (no copy: a buffer's bytes are a column
+    range whose offset and row stride are multiples of the element size)."""
+    n, out, off = rows.shape[0], [], 0
+    rows = rows.contiguous()
+    view = codec.name == "lossless" and rows.shape[1] % torch.empty((), dtype=dtype).element_size() == 0
+    for s in shapes:
+        m = math.prod(s)
+        b = codec.encoded_nbytes((m,), dtype)
+        if view:
+            out.append(rows[:, off : off + b].view(dtype).reshape(n, *s))
+        else:
+            out.append(codec.decode_rows(rows[:, off : off + b], m, dtype).reshape(n, *s))
+        off += b
+    if off != rows.shape[1]:
+        raise ValueError(f"page rows of {rows.shape[1]} bytes, layout needs {off}")
+    return out
+
+
+def check_codec(codec: Codec, shapes: list[tuple[int, ...]]) -> None:
+    for s in shapes:
+        if math.prod(s) % codec.block_size:
+            raise ValueError(f"KV codec {codec.tag}: a page buffer of {math.prod(s)} elements "
+                             f"{s} is not a multiple of its block size {codec.block_size}")
