@@ -1,9 +1,9 @@
 """Accuracy cost of FP8 / FP4 KV tiers on SmolLM2-135M-Instruct, teacher-forced.
 
 Data: 4 greedy generations of 256 tokens with lossless KV (``tests/data/smollm2_greedy256.json``,
-made once by ``bench/tiers.py generations``). Every position is scored with the KV of *all*
+made once by ``benchmarks/tiers.py generations``). Every position is scored with the KV of *all*
 earlier pages loaded back from an FP8 (FP4) L2 tier, its own page computed live, and compared
-with lossless KV (``deepinfer.kv.accuracy``): the strictest realistic case (a resume at any page).
+with lossless KV (``deepinfer.bench.accuracy``): the strictest realistic case (a resume at any page).
 
 Measured (CPU, float32 reference): ``fp8c`` (FP8 of the deviations from each page's channel
 means, plus the farthest token exact) 99.22% argmax agreement, perplexity -0.18%: the issue's
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from deepinfer.kv.accuracy import compare, tier_scored_logits
+from deepinfer.bench.accuracy import compare, tier_scored_logits
 
 DATA = Path(__file__).parent / "data" / "smollm2_greedy256.json"
 

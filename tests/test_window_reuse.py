@@ -291,13 +291,13 @@ def test_preemption_and_eviction_keep_outputs(hybrid):
 
 
 def test_window_reuse_benchmark_runs(hybrid, tmp_path):
-    """bench/window_reuse.py end to end on the tiny model (the real run uses Gemma-3-270M)."""
+    """benchmarks/window_reuse.py end to end on the tiny model (the real run uses Gemma-3-270M)."""
     import importlib.util
     import json
     from pathlib import Path
 
     spec = importlib.util.spec_from_file_location(
-        "bench_window_reuse", Path(__file__).parents[1] / "bench" / "window_reuse.py")
+        "bench_window_reuse", Path(__file__).parents[1] / "benchmarks" / "window_reuse.py")
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
     assert bench.main(["--model", str(hybrid), "--out", str(tmp_path), "--turns", "3",

@@ -264,8 +264,8 @@ def _meta_scale(a: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_engine(a: argparse.Namespace) -> int:
-    from deepinfer.bench.engine_driver import (
-        DriveOptions,
+    from deepinfer.bench.driver import DriveOptions
+    from deepinfer.bench.engine_bench import (
         default_baseline_column,
         resolve_configs,
         run_engine_bench,
@@ -323,8 +323,8 @@ def cmd_engine(a: argparse.Namespace) -> int:
                            rounds=a.rounds)
     if endpoints:
         from deepinfer.bench.client import ClientConfig, run_workload
-        from deepinfer.bench.engine_driver import DriveResult
-        from deepinfer.bench.workloads import Workload, apply_tool_format
+        from deepinfer.bench.driver import DriveResult
+        from deepinfer.bench.sessions import Workload, apply_tool_format
 
         wl_used = res.workload if isinstance(res.workload, Workload) else factory(32000)
         if a.tool_format == "text":  # the engine columns rendered tools as text: so must the peers
@@ -354,7 +354,7 @@ def cmd_engine(a: argparse.Namespace) -> int:
 
 
 def _capacities(spec: str) -> list[int]:
-    from deepinfer.bench.planner import log_grid, parse_tokens
+    from deepinfer.bench.sweep import log_grid, parse_tokens
 
     spec = spec.strip()
     if ":" in spec:
@@ -371,7 +371,8 @@ def _fraction(s: str | None) -> float | None:
 
 
 def cmd_plan_cache(a: argparse.Namespace) -> int:
-    from deepinfer.bench.planner import plan, write_plan_report
+    from deepinfer.bench.plan_report import write_plan_report
+    from deepinfer.bench.sweep import plan
 
     t0 = time.perf_counter()
     reqs = load_trace(a.trace, **_scale_kwargs(a))

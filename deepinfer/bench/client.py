@@ -31,7 +31,7 @@ from typing import Any
 import httpx
 
 from deepinfer.bench.metrics import RequestRecord
-from deepinfer.bench.workloads import ConversationState, Session, Turn, Workload
+from deepinfer.bench.sessions import ConversationState, Session, Turn, Workload
 
 
 @dataclass

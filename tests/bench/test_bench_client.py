@@ -12,7 +12,8 @@ import pytest
 from deepinfer.bench.client import ClientConfig, parse_usage, run_workload
 from deepinfer.bench.report import write_report
 from deepinfer.bench.traces import TraceRequest
-from deepinfer.bench.workloads import Session, Turn, Workload, workload_from_trace
+from deepinfer.bench.sessions import Session, Turn, Workload
+from deepinfer.bench.workloads import workload_from_trace
 
 FIRST_TOKEN_DELAY = 0.03
 

@@ -7,10 +7,8 @@ import json
 import pytest
 
 from deepinfer.bench.traces import TraceRequest
+from deepinfer.bench.sessions import ConversationState, Session, Turn, to_text_messages, truncate_text
 from deepinfer.bench.workloads import (
-    ConversationState,
-    Session,
-    Turn,
     agent_loop,
     document_qa,
     make_workload,
@@ -18,8 +16,6 @@ from deepinfer.bench.workloads import (
     sharegpt_replay,
     sweagent_replay,
     taubench_replay,
-    to_text_messages,
-    truncate_text,
     turns_from_messages,
     workload_from_trace,
 )

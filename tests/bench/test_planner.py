@@ -7,18 +7,10 @@ import json
 import pytest
 
 from deepinfer.bench.ideal import ideal_hits
-from deepinfer.bench.planner import (
-    PlanReport,
-    block_digests,
-    format_tokens,
-    log_grid,
-    page_keys,
-    parse_tokens,
-    plan,
-    replay,
-    smallest_sizes,
-    write_plan_report,
-)
+from deepinfer.bench.plan_report import write_plan_report
+from deepinfer.bench.replay import block_digests, page_keys, replay
+from deepinfer.bench.sweep import (PlanReport, format_tokens, log_grid, parse_tokens, plan,
+                                   smallest_sizes)
 from deepinfer.bench.tokens import TokenBlocks
 from deepinfer.bench.traces import TraceRequest
 from deepinfer.kv.hashing import chain_hashes
@@ -222,7 +214,7 @@ def test_plan_grid_smallest_and_report(tmp_path):
 
 
 def test_smallest_sizes_pareto():
-    from deepinfer.bench.planner import ReplayResult
+    from deepinfer.bench.replay import ReplayResult
 
     def pt(a, b, hits):
         return ReplayResult(page_size=4, l1_tokens=a, l2_tokens=b, l3_tokens=0, concurrency=1,

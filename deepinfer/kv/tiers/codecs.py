@@ -35,96 +35,14 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from .minifloat import (E2M1, E2M1_MAX, E4M3_MAX, HAS_NATIVE_FP8, e4m3_decode, e4m3_encode,
+                        e8m0_to_float, pack_nibbles, unpack_nibbles)
+
 __all__ = ["Codec", "LosslessCodec", "FP8Codec", "FP8CenteredCodec", "FP4Codec", "MXFP4Codec",
            "get_codec", "CODEC_NAMES"]
 
 Shape = Sequence[int] | torch.Size
 Buffer = bytes | bytearray | memoryview
-
-E4M3_MAX = 448.0
-E2M1_MAX = 6.0
-_HAS_NATIVE_FP8 = hasattr(torch, "float8_e4m3fn")
-
-
-# ----------------------------------------------------------------------------- minifloat helpers
-
-
-def _minifloat_grid(exp_bits: int, man_bits: int, bias: int, n_codes: int) -> torch.Tensor:
-    """Non-negative values of a minifloat, indexed by magnitude code (codes are monotonic)."""
-    vals = []
-    for code in range(n_codes):
-        e, m = code >> man_bits, code & ((1 << man_bits) - 1)
-        if e == 0:  # subnormal
-            vals.append(m / (1 << man_bits) * 2.0 ** (1 - bias))
-        else:
-            vals.append((1 + m / (1 << man_bits)) * 2.0 ** (e - bias))
-    return torch.tensor(vals, dtype=torch.float32)
-
-
-class _Minifloat:
-    """Round-to-nearest-even onto a small float grid by table lookup (works for any format)."""
-
-    def __init__(self, exp_bits: int, man_bits: int, bias: int, n_codes: int) -> None:
-        self.sign_bit = 1 << (exp_bits + man_bits)
-        self._grid = _minifloat_grid(exp_bits, man_bits, bias, n_codes)
-        self._mids = (self._grid[1:] + self._grid[:-1]) / 2  # exact: grid values have few bits
-        self.max = float(self._grid[-1])
-        self._dev_cache: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def _tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """(midpoints, signed value per code) on ``device``, built once per device."""
-        if device not in self._dev_cache:
-            full = torch.zeros(2 * self.sign_bit, dtype=torch.float32)
-            full[: len(self._grid)] = self._grid
-            full[self.sign_bit : self.sign_bit + len(self._grid)] = -self._grid
-            self._dev_cache[device] = (self._mids.to(device), full.to(device))
-        return self._dev_cache[device]
-
-    def encode(self, xs: torch.Tensor) -> torch.Tensor:
-        """float32 values (already scaled) -> uint8 codes; saturates at +-max."""
-        mids, _ = self._tables(xs.device)
-        a = xs.abs().clamp_(max=self.max)
-        idx = torch.bucketize(a, mids)  # a == mids[i] lands on i (rounds down) ...
-        tie = a == mids[idx.clamp(max=len(mids) - 1)]
-        idx = idx + (tie & (idx % 2 == 1)).to(idx.dtype)  # ... so move odd ties up to the even code
-        return (idx + torch.signbit(xs).to(idx.dtype) * self.sign_bit).to(torch.uint8)
-
-    def decode(self, codes: torch.Tensor) -> torch.Tensor:
-        """uint8 codes -> float32 values."""
-        _, full = self._tables(codes.device)
-        return full[codes.long()]
-
-
-_E4M3 = _Minifloat(exp_bits=4, man_bits=3, bias=7, n_codes=127)  # code 0x7F is NaN in e4m3fn
-_E2M1 = _Minifloat(exp_bits=2, man_bits=1, bias=1, n_codes=8)
-
-
-def _e4m3_encode(xs: torch.Tensor, native: bool) -> torch.Tensor:
-    if native:
-        return xs.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
-    return _E4M3.encode(xs)
-
-
-def _e4m3_decode(codes: torch.Tensor, native: bool) -> torch.Tensor:
-    if native:
-        return codes.view(torch.float8_e4m3fn).float()
-    return _E4M3.decode(codes)
-
-
-def _e8m0_to_float(e8m0: torch.Tensor) -> torch.Tensor:
-    """E8M0 bytes (as int32) -> 2**(byte - 127) as float32, built from the bit pattern (exact)."""
-    normal = (e8m0 << 23).view(torch.float32)
-    return torch.where(e8m0 == 0, torch.full_like(normal, 2.0**-127), normal)
-
-
-def _pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
-    c = codes.reshape(-1, 2)
-    return c[:, 0] | (c[:, 1] << 4)
-
-
-def _unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
-    return torch.stack([packed & 0x0F, packed >> 4], dim=-1).reshape(-1)
-
 
 def _finish(vals: torch.Tensor, shape: Shape, dtype: torch.dtype) -> torch.Tensor:
     """float32 dequantised values -> output. Clamped to dtype's finite range: rounding a value
@@ -283,7 +201,7 @@ class FP8Codec(Codec):
 
     def __init__(self, block_size: int = 32, native: bool | None = None) -> None:
         self.block_size = block_size
-        self.native = _HAS_NATIVE_FP8 if native is None else native
+        self.native = HAS_NATIVE_FP8 if native is None else native
 
     def encoded_nbytes(self, shape: Shape, dtype: torch.dtype) -> int:
         nb = self._nblocks(shape)
@@ -294,14 +212,14 @@ class FP8Codec(Codec):
         blocks = x.detach().reshape(-1, self.block_size).float()
         scale = _block_amax(blocks) / E4M3_MAX
         xs = blocks / torch.where(scale > 0, scale, torch.ones_like(scale))[:, None]
-        codes = _e4m3_encode(xs, self.native)
+        codes = e4m3_encode(xs, self.native)
         return torch.cat([codes.reshape(-1), _byte_view(scale)])
 
     def decode_from_tensor(self, buf: torch.Tensor, shape: Shape, dtype: torch.dtype) -> torch.Tensor:
         numel = self._check_buf(buf, shape, dtype)
         codes = buf[:numel].reshape(-1, self.block_size)
         scale = buf[numel:].clone().view(torch.float32)
-        vals = _e4m3_decode(codes, self.native) * scale[:, None]
+        vals = e4m3_decode(codes, self.native) * scale[:, None]
         return _finish(vals, shape, dtype)
 
     def encode_rows(self, x: torch.Tensor) -> torch.Tensor:
@@ -310,14 +228,14 @@ class FP8Codec(Codec):
         blocks = x.detach().reshape(-1, self.block_size).float()
         scale = _block_amax(blocks) / E4M3_MAX
         xs = blocks / torch.where(scale > 0, scale, torch.ones_like(scale))[:, None]
-        codes = _e4m3_encode(xs, self.native).reshape(n, m)
+        codes = e4m3_encode(xs, self.native).reshape(n, m)
         return torch.cat([codes, _byte_view(scale).reshape(n, m // self.block_size * 4)], dim=1)
 
     def decode_rows(self, buf: torch.Tensor, m: int, dtype: torch.dtype) -> torch.Tensor:
         n = self._check_row_buf(buf, m, dtype)
         codes = buf[:, :m].reshape(-1, self.block_size)
         scale = buf[:, m:].contiguous().view(torch.float32).reshape(-1)  # [n * nb]
-        vals = _e4m3_decode(codes, self.native) * scale[:, None]
+        vals = e4m3_decode(codes, self.native) * scale[:, None]
         return _finish(vals, (n, m), dtype)
 
 
@@ -328,8 +246,8 @@ class FP8CenteredCodec(Codec):
     mantissa errs relative to the value, so coding ``x - mean`` instead of ``x`` shrinks the error
     where it matters (attention scores move with q . k). The token farthest from the mean (an
     attention-sink token, typically) is kept exact: its few large deviations would otherwise
-    carry most of the page's error. On SmolLM2 (``tests/test_kv_codec_accuracy.py``) this lifts
-    teacher-forced argmax agreement from 98.1% (``fp8``) to >= 99%.
+    carry most of the page's error (its accuracy against ``fp8``: README, KV tiers;
+    ``tests/test_kv_codec_accuracy.py`` holds it to a bound).
 
     A row is one page of one buffer: ``tokens`` tokens of ``C = m / tokens`` channels. Layout:
     the ``fp8`` row of the deviations (codes, float32 block scales), then the mean as bfloat16
@@ -397,7 +315,7 @@ class FP4Codec(Codec):
         if block_size % 2:
             raise ValueError("fp4 block size must be even (two codes per byte)")
         self.block_size = block_size
-        self.native = _HAS_NATIVE_FP8 if native is None else native
+        self.native = HAS_NATIVE_FP8 if native is None else native
 
     def encoded_nbytes(self, shape: Shape, dtype: torch.dtype) -> int:
         nb = self._nblocks(shape)
@@ -409,18 +327,18 @@ class FP4Codec(Codec):
         amax = _block_amax(blocks)
         g = amax.max() / (E4M3_MAX * E2M1_MAX)
         g_safe = torch.where(g > 0, g, torch.ones_like(g))
-        sb_codes = _e4m3_encode(amax / (E2M1_MAX * g_safe), self.native)
-        s_used = _e4m3_decode(sb_codes, self.native) * g_safe
+        sb_codes = e4m3_encode(amax / (E2M1_MAX * g_safe), self.native)
+        s_used = e4m3_decode(sb_codes, self.native) * g_safe
         xs = blocks / torch.where(s_used > 0, s_used, torch.ones_like(s_used))[:, None]
-        packed = _pack_nibbles(_E2M1.encode(xs))
+        packed = pack_nibbles(E2M1.encode(xs))
         return torch.cat([_byte_view(g.reshape(1)), packed, sb_codes])
 
     def decode_from_tensor(self, buf: torch.Tensor, shape: Shape, dtype: torch.dtype) -> torch.Tensor:
         numel = self._check_buf(buf, shape, dtype)
         g = buf[:4].clone().view(torch.float32)
         packed = buf[4 : 4 + numel // 2]
-        sb = _e4m3_decode(buf[4 + numel // 2 :], self.native) * g
-        vals = _E2M1.decode(_unpack_nibbles(packed)).reshape(-1, self.block_size) * sb[:, None]
+        sb = e4m3_decode(buf[4 + numel // 2 :], self.native) * g
+        vals = E2M1.decode(unpack_nibbles(packed)).reshape(-1, self.block_size) * sb[:, None]
         return _finish(vals, shape, dtype)
 
     def encode_rows(self, x: torch.Tensor) -> torch.Tensor:
@@ -432,10 +350,10 @@ class FP4Codec(Codec):
         amax = _block_amax(blocks).reshape(n, nb)
         g = amax.amax(dim=1) / (E4M3_MAX * E2M1_MAX)  # [n]
         g_safe = torch.where(g > 0, g, torch.ones_like(g))[:, None]
-        sb_codes = _e4m3_encode(amax / (E2M1_MAX * g_safe), self.native)  # [n, nb]
-        s_used = (_e4m3_decode(sb_codes, self.native) * g_safe).reshape(-1)
+        sb_codes = e4m3_encode(amax / (E2M1_MAX * g_safe), self.native)  # [n, nb]
+        s_used = (e4m3_decode(sb_codes, self.native) * g_safe).reshape(-1)
         xs = blocks / torch.where(s_used > 0, s_used, torch.ones_like(s_used))[:, None]
-        packed = _pack_nibbles(_E2M1.encode(xs)).reshape(n, m // 2)
+        packed = pack_nibbles(E2M1.encode(xs)).reshape(n, m // 2)
         return torch.cat([_byte_view(g.contiguous()).reshape(n, 4), packed, sb_codes], dim=1)
 
     def decode_rows(self, buf: torch.Tensor, m: int, dtype: torch.dtype) -> torch.Tensor:
@@ -443,8 +361,8 @@ class FP4Codec(Codec):
         nb = m // self.block_size
         g = buf[:, :4].contiguous().view(torch.float32)  # [n, 1]
         packed = buf[:, 4 : 4 + m // 2].reshape(-1)
-        sb = (_e4m3_decode(buf[:, 4 + m // 2 :], self.native) * g).reshape(-1)  # [n * nb]
-        vals = _E2M1.decode(_unpack_nibbles(packed)).reshape(n * nb, self.block_size) * sb[:, None]
+        sb = (e4m3_decode(buf[:, 4 + m // 2 :], self.native) * g).reshape(-1)  # [n * nb]
+        vals = E2M1.decode(unpack_nibbles(packed)).reshape(n * nb, self.block_size) * sb[:, None]
         return _finish(vals, (n, m), dtype)
 
 
@@ -475,14 +393,14 @@ class MXFP4Codec(Codec):
         exp = torch.where(mant == 0.5, ex - 1, ex)  # ceil(log2(target)); exact, no log2 rounding
         # 2**-126 floor keeps scales normal float32 (exact bit construction, no subnormal pow).
         e8m0 = (exp.clamp(-126, 127) + 127).to(torch.int32)
-        codes = _E2M1.encode(blocks / _e8m0_to_float(e8m0)[:, None])
-        return torch.cat([_pack_nibbles(codes), e8m0.to(torch.uint8)])
+        codes = E2M1.encode(blocks / e8m0_to_float(e8m0)[:, None])
+        return torch.cat([pack_nibbles(codes), e8m0.to(torch.uint8)])
 
     def decode_from_tensor(self, buf: torch.Tensor, shape: Shape, dtype: torch.dtype) -> torch.Tensor:
         numel = self._check_buf(buf, shape, dtype)
         packed, e8m0 = buf[: numel // 2], buf[numel // 2 :]
-        scale = _e8m0_to_float(e8m0.to(torch.int32))
-        vals = _E2M1.decode(_unpack_nibbles(packed)).reshape(-1, self.block_size) * scale[:, None]
+        scale = e8m0_to_float(e8m0.to(torch.int32))
+        vals = E2M1.decode(unpack_nibbles(packed)).reshape(-1, self.block_size) * scale[:, None]
         return _finish(vals, shape, dtype)
 
     def encode_rows(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,15 +1,7 @@
 """L3 disk tier: one file per KV page in a directory that several processes may share.
 
-Layout: ``<dir>/<key[:2]>/<key>.kv`` (fan-out keeps directories small). A file is::
-
-    b"DIKV" | version: u16 | header_len: u32 | header JSON (header_len bytes) | payload
-
-The JSON header holds ``namespace`` (model + layout + codec + page size), ``key``, ``token_count``,
-``payload_len``, ``checksum`` and ``checksum_alg``. Files are written with ``crc32`` (zlib's CRC-32
-of the payload): it detects what a cache must catch (bit flips, torn and truncated writes; every
-burst error up to 32 bits, anything else but 1 in 2**32) at ~4x the speed of blake2b in software,
-and on the read path the checksum is what bounds L3 throughput. Files without ``checksum_alg`` are
-blake2b-128 (the first writer's choice) and are still verified as such.
+Layout: ``<dir>/<key[:2]>/<key>.kv`` (fan-out keeps directories small). A file's bytes are
+``disk_file.py``'s (header + checksum).
 
 Safety rules, because this is a cache and the engine must keep serving:
 
@@ -30,48 +22,20 @@ The engine writes through ``TierIO``'s writer thread (``tier_io.py``), never on 
 from __future__ import annotations
 
 import errno
-import hashlib
-import json
 import logging
 import os
 import re
-import struct
-import zlib
 import threading
 import time
 from collections import OrderedDict
 
-__all__ = ["DiskStore", "FORMAT_VERSION", "MAGIC"]
+from .disk_file import PREFIX, BadFile, file_head, parse_file, parse_header
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"DIKV"
-FORMAT_VERSION = 1
-_PREFIX = struct.Struct("<4sHI")  # magic, version, header_len
-_MAX_HEADER = 64 * 1024
 _KEY_RE = re.compile(r"[0-9a-f]{2,256}")
 _FANOUT_RE = re.compile(r"[0-9a-f]{2}")
 _QUARANTINE = "quarantine"
-
-
-CHECKSUM_ALG = "crc32"
-
-
-def _checksum(payload: bytes | memoryview, alg: str = CHECKSUM_ALG) -> str | None:
-    """Hex checksum of ``payload`` by ``alg`` (None for an algorithm we do not know)."""
-    if alg == "crc32":
-        return f"{zlib.crc32(payload):08x}"
-    if alg == "blake2b":
-        return hashlib.blake2b(payload, digest_size=16).hexdigest()
-    return None
-
-
-class _Bad(Exception):
-    """A file that cannot be used. kind: 'corrupt' | 'checksum' | 'foreign' | 'missing'."""
-
-    def __init__(self, kind: str, why: str) -> None:
-        super().__init__(why)
-        self.kind = kind
 
 
 class DiskStore:
@@ -179,67 +143,18 @@ class DiskStore:
             self._counters["evictions"] += 1
             _unlink_quiet(self._file(key))  # already gone (another process evicted it) is fine
 
-    # ------------------------------------------------------------------ file format
-
-    def _head(self, key: str, payload: bytes, token_count: int) -> bytes:
-        """Everything before the payload (written separately: no copy of a large page)."""
-        header = json.dumps(
-            {"namespace": self.namespace, "key": key, "token_count": int(token_count),
-             "payload_len": len(payload), "checksum": _checksum(payload),
-             "checksum_alg": CHECKSUM_ALG},
-            separators=(",", ":"),
-        ).encode()  # fmt: skip
-        return _PREFIX.pack(MAGIC, FORMAT_VERSION, len(header)) + header
-
-    def _parse_header(self, key: str, data: bytes) -> tuple[dict, int]:
-        """-> (header, payload offset). Raises _Bad. Works on a prefix of the file too."""
-        if len(data) < _PREFIX.size:
-            raise _Bad("corrupt", "empty or truncated prefix")
-        magic, version, hlen = _PREFIX.unpack_from(data)
-        if magic != MAGIC:
-            raise _Bad("corrupt", "bad magic")
-        if version != FORMAT_VERSION:
-            raise _Bad("foreign", f"format version {version}")
-        if hlen > _MAX_HEADER or _PREFIX.size + hlen > len(data):
-            raise _Bad("corrupt", "truncated header")
-        try:
-            header = json.loads(data[_PREFIX.size : _PREFIX.size + hlen])
-            if not isinstance(header, dict):
-                raise ValueError("header is not an object")
-        except ValueError as e:
-            raise _Bad("corrupt", f"bad header: {e}") from None
-        if self.namespace is not None and header.get("namespace") != self.namespace:
-            raise _Bad("foreign", f"namespace {header.get('namespace')!r}")
-        if header.get("key") != key:
-            raise _Bad("corrupt", "key mismatch")
-        if not isinstance(header.get("payload_len"), int) or not isinstance(header.get("checksum"), str):
-            raise _Bad("corrupt", "bad header fields")
-        return header, _PREFIX.size + hlen
-
-    def _parse(self, key: str, data: bytes) -> tuple[dict, memoryview]:
-        header, off = self._parse_header(key, data)
-        payload = memoryview(data)[off:]
-        if header.get("payload_len") != len(payload):
-            raise _Bad("corrupt", "payload length mismatch (truncated?)")
-        alg = header.get("checksum_alg", "blake2b")
-        if not isinstance(alg, str) or _checksum(b"", alg) is None:
-            raise _Bad("corrupt", f"unknown checksum algorithm {alg!r}")
-        if header.get("checksum") != _checksum(payload, alg):
-            raise _Bad("checksum", "checksum mismatch")
-        return header, payload
-
     def _read_checked(self, key: str) -> tuple[dict, memoryview, int]:
         try:
             with open(self._file(key), "rb") as f:
                 data = f.read()
         except OSError as e:
             if e.errno in (errno.ENOENT, errno.ENOTDIR):
-                raise _Bad("missing", "no file") from None
-            raise _Bad("corrupt", f"unreadable: {e}") from None
-        header, payload = self._parse(key, data)
+                raise BadFile("missing", "no file") from None
+            raise BadFile("corrupt", f"unreadable: {e}") from None
+        header, payload = parse_file(self.namespace, key, data)
         return header, payload, len(data)
 
-    def _reject(self, key: str, bad: _Bad) -> None:
+    def _reject(self, key: str, bad: BadFile) -> None:
         """Count a bad file; quarantine it unless it is merely foreign (valid for someone else)."""
         with self._lock:
             if bad.kind == "checksum":
@@ -291,7 +206,7 @@ class DiskStore:
             with self._lock:
                 self._drop_locked(key)  # stale: another process evicted it
         payload = bytes(payload)
-        head = self._head(key, payload, token_count)
+        head = file_head(self.namespace, key, payload, token_count)
         size = len(head) + len(payload)
         if size > self.capacity_bytes:
             with self._lock:
@@ -326,12 +241,12 @@ class DiskStore:
         """Key not indexed but maybe written by another process: keep it if its header is ours."""
         try:
             with open(self._file(key), "rb") as f:
-                head = f.read(_PREFIX.size + 1024)
+                head = f.read(PREFIX.size + 1024)
                 size = os.fstat(f.fileno()).st_size
-            header, off = self._parse_header(key, head)
+            header, off = parse_header(self.namespace, key, head)
             if off + header.get("payload_len", -1) != size:
                 return False
-        except (OSError, _Bad):
+        except (OSError, BadFile):
             return False  # absent, foreign or broken: (over)write it
         with self._lock:
             self._add_locked(key, size)
@@ -344,7 +259,7 @@ class DiskStore:
         self._check_key(key)
         try:
             _, payload, size = self._read_checked(key)
-        except _Bad as bad:
+        except BadFile as bad:
             with self._lock:
                 self._counters["misses"] += 1
             self._reject(key, bad)
@@ -400,7 +315,7 @@ class DiskStore:
                     continue
                 try:
                     _, _, size = self._read_checked(key)
-                except _Bad as bad:
+                except BadFile as bad:
                     if bad.kind == "missing":
                         continue
                     report["checked"] += 1

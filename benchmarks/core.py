@@ -5,7 +5,7 @@ multi-turn chat (users sharing a long system prompt, turns interleaved) with the
 on vs off. Writes results/core/summary.json and summary.md. Ratios, not absolute times, are
 what to compare: this machine is shared and noisy.
 
-    python bench/core.py [--model PATH] [--quick]
+    python benchmarks/core.py [--model PATH] [--quick]
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from deepinfer.bench.workloads import ConversationState, multi_turn_chat
+from deepinfer.bench.sessions import ConversationState
+from deepinfer.bench.workloads import multi_turn_chat
 from deepinfer.llm import LLM
 from deepinfer.sampling_params import SamplingParams
 

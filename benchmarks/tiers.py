@@ -1,7 +1,7 @@
 """Hierarchical KV cache benchmark (issue #6), one run, ratios to compare (the machine is shared).
 
 * bytes per token of each KV codec, and its accuracy cost: teacher-forced argmax agreement and
-  perplexity change over 4 lossless 256-token generations (``deepinfer.kv.accuracy``);
+  perplexity change over 4 lossless 256-token generations (``deepinfer.bench.accuracy``);
 * TTFT of a ~4K-token prompt whose first ~96% is cached: cold vs hit in L1 vs L2 vs L3 (a fresh
   process, the files dropped from the OS page cache first), per codec (lossless, fp8, fp4);
 * L3 read throughput (DiskStore reads, and whole loads with decoding) vs ``dd`` reading the
@@ -11,8 +11,8 @@
 
 Writes results/tiers/summary.json and summary.md.
 
-    python bench/tiers.py [--model PATH] [--prompt-tokens 4096] [--quick]
-    python bench/tiers.py generations --out tests/data/smollm2_greedy256.json
+    python benchmarks/tiers.py [--model PATH] [--prompt-tokens 4096] [--quick]
+    python benchmarks/tiers.py generations --out tests/data/smollm2_greedy256.json
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def cmd_generations(args) -> None:
     Path(args.out).write_text(json.dumps({
         "model": m.engine.model_name, "fingerprint": load_checkpoint(args.model, progress=False).fingerprint,
         "prompts": PROMPTS, "prompt_token_ids": ids, "generated_token_ids": [o.token_ids for o in outs],
-        "note": "greedy, lossless KV, ignore_eos; made by bench/tiers.py generations"}))
+        "note": "greedy, lossless KV, ignore_eos; made by benchmarks/tiers.py generations"}))
 
 
 # ---------------------------------------------------------------------------------- sections
@@ -110,7 +110,7 @@ def bytes_per_token(model) -> dict:
 
 
 def accuracy(model, codecs) -> dict:
-    from deepinfer.kv.accuracy import compare, tier_scored_logits
+    from deepinfer.bench.accuracy import compare, tier_scored_logits
 
     data = json.loads(DATA.read_text())
     seqs = [p + g for p, g in zip(data["prompt_token_ids"], data["generated_token_ids"])]
@@ -128,8 +128,7 @@ def accuracy(model, codecs) -> dict:
 _L3_CHILD = """
 import json, sys, time
 sys.path.insert(0, {repo!r})
-from bench.tiers import llm, ttft
-from bench.tiers import random_ids
+from benchmarks.tiers import llm, random_ids, ttft
 model, disk, codec, prompt = sys.argv[1] or None, sys.argv[2], sys.argv[3], json.loads(open(sys.argv[4]).read())
 m = llm(model, enable_disk_cache=True, disk_cache_dir=disk, kv_codec_disk=codec, num_pages={num_pages},
         max_num_batched_tokens={chunk})
@@ -278,7 +277,7 @@ def agent_workload(model, workdir: Path, agents: int, turns: int, step_tokens: i
 
 # ---------------------------------------------------------------------------------- report
 def markdown(res: dict) -> str:
-    lines = ["# KV cache tiers (bench/tiers.py)", "", f"Model: {res['model']}; one run on a shared "
+    lines = ["# KV cache tiers (benchmarks/tiers.py)", "", f"Model: {res['model']}; one run on a shared "
              f"machine ({res['device']}); compare ratios.", ""]
     bpt, acc = res["bytes_per_token"], res.get("accuracy", {})
     lines += ["## Codecs", "", "| codec | KV bytes/token | vs lossless | argmax agreement | perplexity change |",

@@ -4,18 +4,10 @@ from __future__ import annotations
 
 import json
 
-import pytest
-
-from deepinfer.bench.engine_driver import (
-    CONFIG_PRESETS,
-    DriveOptions,
-    EngineBackend,
-    bytes_by_tier,
-    drive,
-    resolve_configs,
-    run_engine_bench,
-    write_engine_report,
-)
+from deepinfer.bench.backends import EngineBackend
+from deepinfer.bench.driver import DriveOptions, drive
+from deepinfer.bench.engine_bench import (CONFIG_PRESETS, bytes_by_tier, resolve_configs, run_engine_bench,
+                                          write_engine_report)
 from deepinfer.bench.traces import TraceRequest
 from deepinfer.bench.workloads import multi_turn_chat, workload_from_trace
 

@@ -5,7 +5,7 @@ For each trace: the planner over 12 log-spaced L1 sizes from 1M to 200M tokens a
 (bisected between grid points), written to results/planner/<trace>/ (plan.json, plan.md,
 hit_rate_vs_capacity.png); the plots are copied to docs/img/planner_<trace>.png.
 
-    python bench/plan_traces.py [--traces DIR] [--l1 1M:200M:12] [--page-sizes 512]
+    python benchmarks/plan_traces.py [--traces DIR] [--l1 1M:200M:12] [--page-sizes 512]
 """
 
 from __future__ import annotations

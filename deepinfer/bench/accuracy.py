@@ -19,12 +19,15 @@ of positions whose argmax agrees and the perplexity of the sequences' next token
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
+if TYPE_CHECKING:
+    from deepinfer.engine import LLMEngine
 
-def tier_scored_logits(engine: Any, seqs: list[list[int]], start: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+
+def tier_scored_logits(engine: LLMEngine, seqs: list[list[int]], start: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """(reference, tier) logits of positions ``[start, len(seq) - 1)`` of each sequence (the
     logits at position t predict token t + 1). ``engine`` is an idle ``LLMEngine`` with a lower
     tier (L2, or L3 without L2) large enough for the sequences and an empty cache."""
@@ -51,7 +54,7 @@ def tier_scored_logits(engine: Any, seqs: list[list[int]], start: int) -> tuple[
     return ref, [torch.cat(o) for o in out]
 
 
-def prefix_tier_logits(engine: Any, prompts: list[list[int]], seqs: list[list[int]]
+def prefix_tier_logits(engine: LLMEngine, prompts: list[list[int]], seqs: list[list[int]]
                        ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """(reference, tier) logits of positions ``[len(prompt) - 1, len(seq) - 1)``: the prompt's
     whole pages loaded back from the tier, the rest of ``seq`` (which starts with the prompt)

