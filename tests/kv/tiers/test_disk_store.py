@@ -18,7 +18,7 @@ import pytest
 from deepinfer.kv.tiers.disk_store import DiskStore
 
 NS = "model=abc123;layers=30;codec=fp8-b32;page=16"
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def key(i: int | str) -> str:
