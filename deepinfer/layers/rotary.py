@@ -35,7 +35,7 @@ class RotaryEmbedding(nn.Module):
     """cos/sin tables are plain attributes, not buffers: computed (never loaded) and kept fp32."""
 
     def __init__(self, inv_freq: torch.Tensor, max_positions: int, scaling: float = 1.0,
-                 interleaved: bool = False) -> None:
+                 interleaved: bool = False, tail: bool = False) -> None:
         super().__init__()
         self.inv_freq = inv_freq.detach().to("cpu", torch.float32)
         self.max_positions = max_positions
@@ -43,6 +43,8 @@ class RotaryEmbedding(nn.Module):
         self.rot_dim = 2 * inv_freq.numel()
         # interleaved: pairs are (x0, x1), (x2, x3)... (GPT-J / DeepSeek); else halves (NeoX / HF).
         self.interleaved = interleaved
+        # tail: rotate the *last* rot_dim dims (DeepSeek-V4's [nope | rope] heads), else the first.
+        self.tail = tail
         self._last_positions: torch.Tensor | None = None
         self._last_tables: tuple[torch.Tensor, torch.Tensor] = ()
         self.build(torch.device("cpu"))
@@ -55,11 +57,15 @@ class RotaryEmbedding(nn.Module):
         self.sin = (freqs.sin() * self.scaling).float().to(device)
         self._last_positions = None
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """Rotate ``x`` of shape [T, heads, head_dim] (first ``rot_dim`` dims) by position."""
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+        """Rotate ``x`` of shape [T, heads, head_dim] (``rot_dim`` of its dims) by position;
+        ``inverse`` rotates by minus the position (undoes the rotation)."""
         cos, sin = self._tables(positions)
+        if inverse:
+            sin = -sin
         full = x.shape[-1] == self.rot_dim
-        rot = x if full else x[..., : self.rot_dim]
+        split = x.shape[-1] - self.rot_dim if self.tail else self.rot_dim
+        rot = x if full else (x[..., split:] if self.tail else x[..., :split])
         if rot.dtype != torch.float32:
             rot = rot.float()
         if self.interleaved:
@@ -69,7 +75,9 @@ class RotaryEmbedding(nn.Module):
             x1, x2 = rot.chunk(2, dim=-1)
             out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
         out = out.to(x.dtype)
-        return out if full else torch.cat((out, x[..., self.rot_dim :]), dim=-1)
+        if full:
+            return out
+        return torch.cat((x[..., :split], out) if self.tail else (out, x[..., split:]), dim=-1)
 
     def _tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # Every layer of a step passes the same positions tensor: look the tables up once.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from .base import CausalLM
 from .deepseek_v3 import DeepseekV2ForCausalLM, DeepseekV3ForCausalLM
+from .deepseek_v4 import DeepseekV4ForCausalLM
 from .gemma import GemmaForCausalLM
 from .gpt_oss import GptOssForCausalLM
 from .llama import LlamaForCausalLM
@@ -15,6 +16,7 @@ MODEL_CLASSES: dict[str, type[CausalLM]] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
+    "DeepseekV4ForCausalLM": DeepseekV4ForCausalLM,
     "Gemma2ForCausalLM": GemmaForCausalLM,
     "Gemma3ForCausalLM": GemmaForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,

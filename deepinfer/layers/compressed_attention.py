@@ -1,0 +1,168 @@
+"""DeepSeek-V4 attention over a sliding window plus compressed KV entries (CSA / HCA).
+
+Every V4 layer attends to the last ``W`` tokens (one shared K=V vector per token) and, in CSA and
+HCA layers, to *compressed entries*: entry ``w`` pools the window of ``r`` tokens ending at
+position ``(w + 1) * r - 1`` with a learned softmax gate per channel (HCA: r = 128, disjoint
+windows). CSA (r = 4) overlaps windows: entry ``w`` pools two series, the ``Ca`` half of window
+``w - 1`` and the ``Cb`` half of window ``w``, and a Lightning Indexer picks the ``index_topk``
+entries each query reads. Entry ``w`` is visible to a query at ``t`` only once its window has
+closed: ``w < (t + 1) // r``.
+
+Where the state lives (see the model's ``kv_specs``):
+
+* the window ring (``kv/window.py``) holds per token the K=V vector and the compressor's input
+  projections (``ckv``/``cgate``, and ``ikv``/``igate`` of the indexer): an entry is pooled from
+  the ring when its window closes, so a chunk boundary or a prefix hit needs no other compressor
+  state than the ring's last tokens;
+* the page pool holds the entries (``entry``, and the indexer key ``ikey``) in the slot of the
+  token that closed their window, so a cached page carries exactly the entries its tokens decide.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..forward_batch import ForwardBatch
+from .attention import attend, gather_pages, store_kv
+from .norm import RMSNorm
+from .rotary import RotaryEmbedding
+
+
+@dataclass
+class SeqSpan:
+    """One sequence of a step, as both KV groups see it."""
+
+    rows: slice  # its new tokens in the flattened batch
+    start: int  # position of its first new token
+    end: int  # context length after this step
+    ring_pages: torch.Tensor  # window-group pages in position order; the first holds ring_start
+    ring_start: int
+    ring_lo: int  # ring positions below this hold nothing of this sequence
+    pages: torch.Tensor  # page table of the paged group, covering [0, end)
+
+
+@dataclass
+class V4Batch:
+    """A step as V4 layers read it: the paged batch, the ring view and the sequences."""
+
+    paged: ForwardBatch
+    ring: ForwardBatch
+    spans: list[SeqSpan]
+
+    @staticmethod
+    def build(paged: ForwardBatch, ring: ForwardBatch) -> V4Batch:
+        spans: list[SeqSpan] = []
+        if paged.num_decodes:
+            ends = paged.decode_kv_lens.tolist()
+            starts = ring.decode_kv_start.tolist() if ring.decode_kv_start is not None else [0] * len(ends)
+            los = ring.decode_kv_lo.tolist() if ring.decode_kv_lo is not None else [0] * len(ends)
+            for b, end in enumerate(ends):
+                spans.append(SeqSpan(slice(b, b + 1), end - 1, end, ring.decode_pages[b], starts[b],
+                                     los[b], paged.decode_pages[b]))
+        for seg, rseg in zip(paged.prefills, ring.prefills):
+            spans.append(SeqSpan(slice(seg.q_start, seg.q_start + seg.q_len), seg.kv_len - seg.q_len,
+                                 seg.kv_len, rseg.pages, rseg.kv_start, rseg.kv_lo, seg.pages))
+        return V4Batch(paged, ring, spans)
+
+
+def token_slots(pages: torch.Tensor, positions: torch.Tensor, page_size: int) -> torch.Tensor:
+    return pages[positions // page_size] * page_size + positions % page_size
+
+
+def gather_ring(buf: torch.Tensor, span: SeqSpan) -> torch.Tensor:
+    """The ring entries of positions [span.ring_start, span.end), in order."""
+    return gather_pages(buf, span.ring_pages)[: span.end - span.ring_start]
+
+
+def closing_positions(span: SeqSpan, ratio: int) -> torch.Tensor:
+    """Positions of this step's new tokens that close a compression window."""
+    first = -(-(span.start + 1) // ratio) * ratio - 1
+    return torch.tensor(range(first, span.end, ratio), dtype=torch.long, device=span.pages.device)
+
+
+class WindowCompressor(nn.Module):
+    """Pools windows of ``ratio`` tokens into one ``head_dim`` entry (``overlap``: CSA's two series)."""
+
+    def __init__(self, hidden: int, head_dim: int, ratio: int, overlap: bool, eps: float) -> None:
+        super().__init__()
+        width = 2 * head_dim if overlap else head_dim
+        self.head_dim, self.ratio, self.overlap = head_dim, ratio, overlap
+        self.kv_proj = nn.Linear(hidden, width, bias=False)
+        self.gate_proj = nn.Linear(hidden, width, bias=False)
+        self.position_bias = nn.Parameter(torch.empty(ratio, width))
+        self.kv_norm = RMSNorm(head_dim, eps)
+        self.indexer: Indexer | None = None  # CSA layers: set by the attention
+
+    def store_inputs(self, x: torch.Tensor, ring: ForwardBatch, kv: torch.Tensor, gate: torch.Tensor) -> None:
+        store_kv(kv, self.kv_proj(x).unsqueeze(1), ring.slot_mapping)
+        store_kv(gate, self.gate_proj(x).unsqueeze(1), ring.slot_mapping)
+
+    def pool(self, kv: torch.Tensor, gate: torch.Tensor, first_pos: int, lo: int,
+             closing: torch.Tensor, rotary: RotaryEmbedding) -> torch.Tensor:
+        """Entries [n, 1, head_dim] of the windows closing at ``closing``, from the projections
+        ``kv``/``gate`` [L, 1, width] of positions ``first_pos`` onwards (valid from ``lo``)."""
+        r, d = self.ratio, self.head_dim
+        span = 2 * r if self.overlap else r
+        pos = closing[:, None] - torch.arange(span - 1, -1, -1, device=closing.device)  # [n, span]
+        idx = (pos - first_pos).clamp(min=0)
+        k, g = kv[idx, 0].float(), gate[idx, 0].float()  # [n, span, width]
+        bias = self.position_bias.float()
+        if self.overlap:  # slots [0, r): Ca of window w - 1; [r, 2r): Cb of window w
+            k = torch.cat((k[:, :r, :d], k[:, r:, d:]), dim=1)
+            g = torch.cat((g[:, :r, :d] + bias[:, :d], g[:, r:, d:] + bias[:, d:]), dim=1)
+        else:
+            g = g + bias
+        g = g.masked_fill((pos < max(lo, 0))[..., None], float("-inf"))  # window 0 has no Ca
+        pooled = (k * g.softmax(dim=1)).sum(dim=1).to(kv.dtype)
+        entry = self.kv_norm(pooled).unsqueeze(1)
+        return rotary((closing + 1 - r), entry)  # RoPE at the window's first position
+
+
+class Indexer(WindowCompressor):
+    """Lightning Indexer: its own CSA-style keys; per query ``sum_h w_h relu(q_h . k)`` scores."""
+
+    def __init__(self, hidden: int, q_lora_rank: int, heads: int, head_dim: int, ratio: int,
+                 topk: int, eps: float) -> None:
+        super().__init__(hidden, head_dim, ratio, overlap=True, eps=eps)
+        self.heads, self.topk = heads, topk
+        self.q_b_proj = nn.Linear(q_lora_rank, heads * head_dim, bias=False)
+        self.scorer = nn.Module()
+        self.scorer.weights_proj = nn.Linear(hidden, heads, bias=False)
+
+    def queries(self, x: torch.Tensor, q_residual: torch.Tensor, positions: torch.Tensor,
+                rotary: RotaryEmbedding) -> tuple[torch.Tensor, torch.Tensor]:
+        q = self.q_b_proj(q_residual).view(x.shape[0], self.heads, self.head_dim)
+        weights = self.scorer.weights_proj(x).float() * self.heads ** -0.5
+        return rotary(positions, q).float(), weights
+
+    def select(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
+               visible: torch.Tensor) -> torch.Tensor:
+        """q [nq, h, d], weights [nq, h], keys [n, d], visible [nq, n] -> chosen [nq, n] bool."""
+        scores = torch.relu(torch.einsum("qhd,nd->qhn", q, keys.float())) * self.head_dim ** -0.5
+        scores = (scores * weights[..., None]).sum(dim=1).masked_fill(~visible, float("-inf"))
+        top = scores.topk(min(self.topk, keys.shape[0]), dim=-1).indices
+        chosen = torch.zeros_like(visible).scatter_(1, top, True)
+        return chosen & visible
+
+
+def compressed_attention(q: torch.Tensor, span: SeqSpan, window: int, ratio: int | None,
+                         ring_kv: torch.Tensor, entries: torch.Tensor | None,
+                         chosen: torch.Tensor | None, page_size: int, scale: float,
+                         sinks: torch.Tensor) -> torch.Tensor:
+    """One sequence's queries q [nq, H, D] over its window keys plus its visible entries."""
+    dev = q.device
+    qpos = torch.arange(span.start, span.end, device=dev)[:, None]
+    keys = gather_pages(ring_kv, span.ring_pages)[: span.end - span.ring_start]
+    kpos = torch.arange(span.ring_start, span.end, device=dev)[None, :]
+    mask = (kpos <= qpos) & (kpos > qpos - window) & (kpos >= max(span.ring_lo, 0))
+    if entries is not None and entries.shape[0]:
+        visible = torch.arange(entries.shape[0], device=dev)[None, :] < (qpos + 1) // ratio
+        if chosen is not None:
+            visible = visible & chosen
+        keys = torch.cat((keys, entries), dim=0)
+        mask = torch.cat((mask, visible), dim=1)
+    kt = keys.transpose(0, 1)[None]  # [1, 1, L, D]: one head, read as K and V
+    return attend(q.transpose(0, 1)[None], kt, kt, mask[None, None], scale, sinks=sinks)[0].transpose(0, 1)

@@ -1,0 +1,286 @@
+"""DeepSeek-V4: shared-KV MQA over a sliding window plus compressed KV (CSA / HCA), mHC residual
+streams, and MoE with ``sqrtsoftplus`` routing (hash-routed in the first layers).
+
+Attention (``layers/compressed_attention.py`` has the compressed part): queries come through a
+low-rank ``q_a -> norm -> q_b`` path and a per-head unweighted RMSNorm; each token caches one
+vector (``kv_proj``, RMSNorm, RoPE), read as both key and value. RoPE (interleaved pairs) rotates
+the *last* ``qk_rope_head_dim`` dims; since values carry that rotation too, the output's rope dims
+are rotated back by the query position. Per-head sinks, then a grouped low-rank output projection:
+``o_groups`` head groups each mapped to ``o_lora_rank`` dims (``o_a_proj``), mixed by ``o_b_proj``.
+Sliding layers use the ``main`` RoPE, CSA/HCA layers (window and entries) the ``compress`` one.
+
+KV layout: spec ``i`` (i < num_layers) is layer i's window ring (K=V vector plus compressor inputs),
+with the window widened to cover a compressor's span; after those, one paged spec per CSA/HCA
+layer holds its compressed entries (and indexer keys) in the slot of the token closing their window.
+
+MoE: scores ``sqrt(softplus(logits))``; experts chosen by top-k of scores + a selection bias, or, in
+``hash_moe`` layers, by a fixed token-id table (``tid2eid``); weights are the chosen scores,
+normalised, times ``routed_scaling_factor``. Experts and the shared expert are SwiGLU with the gate
+clamped above and the up projection clamped both ways at ``swiglu_limit``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers.activations import ACT2FN
+
+from ..forward_batch import ForwardBatch
+from ..kv.layout import KVSpec
+from ..layers.attention import store_kv
+from ..layers.compressed_attention import (Indexer, V4Batch, WindowCompressor, closing_positions,
+                                           compressed_attention, gather_ring, token_slots)
+from ..layers.hyper_connection import HyperConnection, HyperHead
+from ..layers.moe import MoEBlock, StackedExperts, dispatch_experts
+from ..layers.norm import RMSNorm
+from ..layers.rotary import RotaryEmbedding, rope_inv_freq
+from .base import CausalLM
+
+CSA, HCA = "compressed_sparse_attention", "heavily_compressed_attention"
+
+
+def compress_ratio(config, i: int) -> int | None:
+    kind = config.layer_types[i]
+    return config.compress_rates[kind] if kind in (CSA, HCA) else None
+
+
+def ring_window(config) -> int:
+    """Tokens a ring keeps: the attention window, or more where a compressor spans more."""
+    spans = [config.sliding_window]
+    for i, kind in enumerate(config.layer_types):
+        r = compress_ratio(config, i)
+        if r is not None:
+            spans.append(2 * r if kind == CSA else r)
+    return max(spans)
+
+
+class V4Attention(nn.Module):
+    def __init__(self, config, layer_idx: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        H, hd, hidden, eps = config.num_attention_heads, config.head_dim, config.hidden_size, config.rms_norm_eps
+        self.num_heads, self.head_dim, self.groups = H, hd, config.o_groups
+        self.window, self.ring_window = config.sliding_window, ring_window(config)
+        self.ratio = compress_ratio(config, layer_idx)
+        self.q_a_proj = nn.Linear(hidden, config.q_lora_rank, bias=False)
+        self.q_a_norm = RMSNorm(config.q_lora_rank, eps)
+        self.q_b_proj = nn.Linear(config.q_lora_rank, H * hd, bias=False)
+        self.kv_proj = nn.Linear(hidden, hd, bias=False)
+        self.kv_norm = RMSNorm(hd, eps)
+        self.o_a_proj = nn.Linear(H * hd // self.groups, self.groups * config.o_lora_rank, bias=False)
+        self.o_b_proj = nn.Linear(self.groups * config.o_lora_rank, hidden, bias=False)
+        self.sinks = nn.Parameter(torch.empty(H))
+        self.rotary = rotary
+        self.norm_eps = eps
+        self.scale = hd ** -0.5
+        self.compressor: WindowCompressor | None = None
+        if self.ratio is not None:
+            csa = config.layer_types[layer_idx] == CSA
+            self.compressor = WindowCompressor(hidden, hd, self.ratio, overlap=csa, eps=eps)
+            if csa:
+                self.compressor.indexer = Indexer(hidden, config.q_lora_rank, config.index_n_heads,
+                                                  config.index_head_dim, self.ratio, config.index_topk, eps)
+
+    def indexer(self) -> Indexer | None:
+        return self.compressor.indexer if self.compressor is not None else None
+
+    def ring_spec(self) -> KVSpec:
+        comps = [("kv", (1, self.head_dim))]
+        if self.compressor is not None:
+            width = self.compressor.kv_proj.out_features
+            comps += [("ckv", (1, width)), ("cgate", (1, width))]
+        if self.indexer() is not None:
+            width = self.indexer().kv_proj.out_features
+            comps += [("ikv", (1, width)), ("igate", (1, width))]
+        return KVSpec(tuple(comps), window=self.ring_window)
+
+    def entry_spec(self) -> KVSpec | None:
+        if self.compressor is None:
+            return None
+        comps = [("entry", (1, self.head_dim))]
+        if self.indexer() is not None:
+            comps.append(("ikey", (1, self.indexer().head_dim)))
+        return KVSpec(tuple(comps))
+
+    def _store_entries(self, x: torch.Tensor, step: V4Batch, ring_kv: dict[str, torch.Tensor],
+                       entry_kv: dict[str, torch.Tensor]) -> None:
+        """Store the projections of the new tokens, then pool every window they close."""
+        comp, idx = self.compressor, self.indexer()
+        parts = [(comp, "ckv", "cgate", "entry")] + ([(idx, "ikv", "igate", "ikey")] if idx else [])
+        for mod, kv_name, gate_name, _ in parts:
+            mod.store_inputs(x, step.ring, ring_kv[kv_name], ring_kv[gate_name])
+        ps = step.paged.page_size
+        for span in step.spans:
+            closing = closing_positions(span, self.ratio)
+            if not closing.numel():
+                continue
+            slots = token_slots(span.pages, closing, ps)
+            for mod, kv_name, gate_name, out_name in parts:
+                kv = gather_ring(ring_kv[kv_name], span)
+                gate = gather_ring(ring_kv[gate_name], span)
+                entry = mod.pool(kv, gate, span.ring_start, span.ring_lo, closing, self.rotary)
+                store_kv(entry_kv[out_name], entry, slots)
+
+    def forward(self, x: torch.Tensor, step: V4Batch, ring_kv: dict[str, torch.Tensor],
+                entry_kv: dict[str, torch.Tensor] | None) -> torch.Tensor:
+        T, H, hd = x.shape[0], self.num_heads, self.head_dim
+        positions = step.paged.positions
+        q_residual = self.q_a_norm(self.q_a_proj(x))
+        q = self.q_b_proj(q_residual).view(T, H, hd)
+        q = q * torch.rsqrt(q.float().square().mean(-1, keepdim=True) + self.norm_eps).to(q.dtype)
+        q = self.rotary(positions, q)
+        kv = self.rotary(positions, self.kv_norm(self.kv_proj(x)).unsqueeze(1))
+        store_kv(ring_kv["kv"], kv, step.ring.slot_mapping)
+        idx = self.indexer()
+        if entry_kv is not None:
+            self._store_entries(x, step, ring_kv, entry_kv)
+        if idx is not None:
+            q_idx, w_idx = idx.queries(x, q_residual, positions, self.rotary)
+        out = torch.empty_like(q)
+        ps = step.paged.page_size
+        for span in step.spans:
+            entries = chosen = None
+            if entry_kv is not None:
+                n = span.end // self.ratio
+                slots = token_slots(span.pages, (torch.arange(n, device=x.device) + 1) * self.ratio - 1, ps)
+                entries = entry_kv["entry"].view(-1, 1, hd)[slots]
+                if idx is not None and n:
+                    keys = entry_kv["ikey"].view(-1, idx.head_dim)[slots]
+                    qpos = torch.arange(span.start, span.end, device=x.device)[:, None]
+                    visible = torch.arange(n, device=x.device)[None, :] < (qpos + 1) // self.ratio
+                    chosen = idx.select(q_idx[span.rows], w_idx[span.rows], keys, visible)
+            out[span.rows] = compressed_attention(q[span.rows], span, self.window, self.ratio,
+                                                  ring_kv["kv"], entries, chosen, ps, self.scale,
+                                                  self.sinks)
+        out = self.rotary(positions, out, inverse=True)  # values carried their keys' rotation
+        grouped = out.reshape(T, self.groups, -1)
+        w = self.o_a_proj.weight.view(self.groups, -1, grouped.shape[-1])
+        return self.o_b_proj(torch.einsum("tgi,goi->tgo", grouped, w).reshape(T, -1))
+
+
+class ClampedSwiGLU(nn.Module):
+    """The shared expert: SwiGLU with clamped gate / up pre-activations."""
+
+    def __init__(self, hidden: int, intermediate: int, limit: float) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.limit = limit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(clamped_swiglu(self.gate_proj(x), self.up_proj(x), self.limit))
+
+
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    return nn.functional.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+
+
+class ClampedExperts(StackedExperts):
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, limit: float) -> None:
+        super().__init__(num_experts, hidden, intermediate, nn.functional.silu)
+        self.limit = limit
+
+    def forward(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        gate, up = nn.functional.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
+        return nn.functional.linear(clamped_swiglu(gate, up, self.limit), self.down_proj[e])
+
+
+class V4MoE(MoEBlock):
+    def __init__(self, config, layer_idx: int) -> None:
+        E, hidden = config.n_routed_experts, config.hidden_size
+        super().__init__(layer_idx, E, config.num_experts_per_tok)
+        self.hashed = config.mlp_layer_types[layer_idx] == "hash_moe"
+        self.gate = nn.Module()
+        self.gate.weight = nn.Parameter(torch.empty(E, hidden))
+        if self.hashed:
+            self.gate.tid2eid = nn.Parameter(torch.empty(config.vocab_size, self.top_k, dtype=torch.long),
+                                             requires_grad=False)
+        else:
+            self.gate.e_score_correction_bias = nn.Parameter(torch.empty(E), requires_grad=False)
+        self.score = ACT2FN[config.scoring_func]
+        self.routed_scaling_factor = config.routed_scaling_factor
+        limit = config.swiglu_limit
+        self.experts = ClampedExperts(E, hidden, config.moe_intermediate_size, limit)
+        self.shared_experts = ClampedSwiGLU(hidden, config.moe_intermediate_size * config.n_shared_experts, limit)
+
+    def route(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        scores = self.score(nn.functional.linear(x.float(), self.gate.weight.float()))
+        if self.hashed:
+            idx = self.gate.tid2eid[input_ids]
+        else:
+            choice = scores + self.gate.e_score_correction_bias.float()
+            idx = torch.topk(choice, self.top_k, dim=-1, sorted=False).indices
+        weights = scores.gather(1, idx)
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return idx, weights * self.routed_scaling_factor
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        idx, weights = self.route(x, input_ids)
+        out, counts = dispatch_experts(x, idx, weights, self.num_experts, self.experts)
+        self.record(counts)
+        return out + self.shared_experts(x)
+
+
+class V4DecoderLayer(nn.Module):
+    def __init__(self, config, layer_idx: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        hidden, eps = config.hidden_size, config.rms_norm_eps
+        self.self_attn = V4Attention(config, layer_idx, rotary)
+        self.mlp = V4MoE(config, layer_idx)
+        self.input_layernorm = RMSNorm(hidden, eps)
+        self.post_attention_layernorm = RMSNorm(hidden, eps)
+        hc = (hidden, config.hc_mult, config.hc_sinkhorn_iters, config.hc_eps, eps)
+        self.attn_hc = HyperConnection(*hc)
+        self.ffn_hc = HyperConnection(*hc)
+
+    def forward(self, streams: torch.Tensor, step: V4Batch, ring_kv: dict[str, torch.Tensor],
+                entry_kv: dict[str, torch.Tensor] | None) -> torch.Tensor:
+        streams = self.attn_hc(streams, lambda h: self.self_attn(self.input_layernorm(h), step,
+                                                                  ring_kv, entry_kv))
+        ids = step.paged.input_ids
+        return self.ffn_hc(streams, lambda h: self.mlp(self.post_attention_layernorm(h), ids))
+
+
+class V4Model(nn.Module):
+    def __init__(self, config, max_positions: int) -> None:
+        super().__init__()
+        rotaries = {}
+        for kind in ("main", "compress"):
+            inv_freq, scaling = rope_inv_freq(config, config.head_dim, kind)
+            rotaries[kind] = RotaryEmbedding(inv_freq, max_positions, scaling, interleaved=True, tail=True)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            V4DecoderLayer(config, i, rotaries["main" if compress_ratio(config, i) is None else "compress"])
+            for i in range(config.num_hidden_layers))
+        self.hc_head = HyperHead(config.hidden_size, config.hc_mult, config.hc_eps, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class DeepseekV4ForCausalLM(CausalLM):
+    fp32_params = (r"(attn_hc|ffn_hc|hc_head)\.", r"\.sinks$", r"position_bias$", r"norm\.weight$",
+                   r"\.mlp\.gate\.(weight|e_score_correction_bias)$")
+
+    def __init__(self, config, max_positions: int) -> None:
+        super().__init__(config, V4Model(config, max_positions))
+        self.hc_mult = config.hc_mult
+        # spec index of each compressed layer's entries (after the per-layer ring specs)
+        compressed = [i for i, layer in enumerate(self.model.layers) if layer.self_attn.compressor is not None]
+        n = len(self.model.layers)
+        self.entry_spec_index = {layer: n + k for k, layer in enumerate(compressed)}
+
+    def kv_specs(self) -> list[KVSpec]:
+        attns = [layer.self_attn for layer in self.model.layers]
+        return [a.ring_spec() for a in attns] + [a.entry_spec() for a in attns if a.compressor is not None]
+
+    def forward(self, batch: ForwardBatch, kv: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+        """Residual streams [T, hc_mult, hidden] of the new tokens; writes their KV into ``kv``."""
+        step = V4Batch.build(batch, batch.for_layer(0))
+        x = self.embed(batch.input_ids)
+        streams = x.unsqueeze(1).expand(-1, self.hc_mult, -1).contiguous()
+        for i, layer in enumerate(self.model.layers):
+            entry = self.entry_spec_index.get(i)
+            streams = layer(streams, step, kv[i], None if entry is None else kv[entry])
+        return streams
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.model.norm(self.model.hc_head(hidden)))
