@@ -21,6 +21,8 @@ clamped above and the up projection clamped both ways at ``swiglu_limit``.
 
 from __future__ import annotations
 
+import re
+
 import torch
 from torch import nn
 from transformers.activations import ACT2FN
@@ -37,6 +39,26 @@ from ..layers.rotary import RotaryEmbedding, rope_inv_freq
 from .base import CausalLM
 
 CSA, HCA = "compressed_sparse_attention", "heavily_compressed_attention"
+
+# DeepSeek's own checkpoint names (what the released folders, and transformers' save_pretrained,
+# hold) -> transformers' module names, which ours follow. Applied in order, after dropping "model.".
+_RENAMES = [(re.compile(a), b) for a, b in (
+    (r"^embed\.", "embed_tokens."), (r"^head\.", "lm_head."), (r"^hc_head_(fn|base|scale)$", r"hc_head.hc_\1"),
+    (r"\.attn\.", ".self_attn."), (r"\.ffn\.", ".mlp."), (r"\.attn_norm\.", ".input_layernorm."),
+    (r"\.ffn_norm\.", ".post_attention_layernorm."), (r"\.hc_(attn|ffn)_(fn|base|scale)$", r".\1_hc.\2"),
+    (r"\.indexer\.compressor\.", ".compressor.indexer."),
+    (r"\.indexer\.weights_proj\.", ".compressor.indexer.scorer.weights_proj."),
+    (r"\.indexer\.wq_b\.", ".compressor.indexer.q_b_proj."), (r"\.attn_sink$", ".sinks"),
+    (r"\.norm\.", ".kv_norm."), (r"\.ape$", ".position_bias"), (r"\.wq_a\.", ".q_a_proj."),
+    (r"\.self_attn\.wq_b\.", ".self_attn.q_b_proj."), (r"\.wkv\.", ".kv_proj."), (r"\.wgate\.", ".gate_proj."),
+    (r"\.wo_a\.", ".o_a_proj."), (r"\.wo_b\.", ".o_b_proj."), (r"\.q_norm\.", ".q_a_norm."),
+    (r"\.gate\.bias$", ".gate.e_score_correction_bias"),
+    (r"\.shared_experts\.w1\.", ".shared_experts.gate_proj."),
+    (r"\.shared_experts\.w2\.", ".shared_experts.down_proj."),
+    (r"\.shared_experts\.w3\.", ".shared_experts.up_proj."),
+)]
+_EXPERT_PROJ = {"w1": ("gate_up_proj", 0), "w3": ("gate_up_proj", 1), "w2": ("down_proj", None),
+                "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", None)}
 
 
 def compress_ratio(config, i: int) -> int | None:
@@ -214,6 +236,13 @@ class V4MoE(MoEBlock):
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return idx, weights * self.routed_scaling_factor
 
+    def expert_slice(self, proj: str, kind: str) -> tuple[str, slice | None]:
+        if kind != "weight" or proj not in _EXPERT_PROJ:
+            raise ValueError(f"DeepSeek-V4 experts have no {proj}.{kind}")
+        target, half = _EXPERT_PROJ[proj]
+        inter = self.experts.intermediate
+        return target, None if half is None else slice(half * inter, (half + 1) * inter)
+
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         idx, weights = self.route(x, input_ids)
         out, counts = dispatch_experts(x, idx, weights, self.num_experts, self.experts)
@@ -284,3 +313,19 @@ class DeepseekV4ForCausalLM(CausalLM):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.model.norm(self.model.hc_head(hidden)))
+
+    def map_weight_name(self, name: str) -> str | None:
+        if name.startswith("mtp."):
+            return None  # multi-token-prediction modules: not used for decoding
+        name = name.removeprefix("model.")
+        for pattern, repl in _RENAMES:
+            name = pattern.sub(repl, name)
+        return name if name.startswith("lm_head.") else "model." + name
+
+    def load_custom_weight(self, target: str, tensor: torch.Tensor) -> str | None:
+        m = re.match(r"^(model\.layers\.\d+\.mlp)\.(experts\.\d+\..*)$", target)
+        if m is None:
+            return None
+        block = self.get_submodule(m.group(1))
+        assert isinstance(block, V4MoE)
+        return f"{m.group(1)}.experts.{block.load_expert_weight(m.group(2), tensor)}"

@@ -24,9 +24,14 @@ TINY = dict(vocab_size=256, hidden_size=64, num_hidden_layers=4, num_attention_h
             max_position_embeddings=512, num_nextn_predict_layers=0)
 
 
-def tiny_v4(seed=0, **overrides):
+def tiny_v4_config(**overrides):
     cfg = DeepseekV4Config(**{**TINY, **overrides})
     cfg.architectures = ["DeepseekV4ForCausalLM"]
+    return cfg
+
+
+def tiny_v4(seed=0, **overrides):
+    cfg = tiny_v4_config(**overrides)
     torch.manual_seed(seed)
     model = DeepseekV4ForCausalLM(cfg).eval()
     randomize_(model, seed)

@@ -1,0 +1,85 @@
+"""Prefix reuse on DeepSeek-V4 through the engine: a hit restores every layer's state (window ring
+with the compressor inputs from a snapshot; compressed entries and indexer keys from the cached
+pages), so greedy tokens and logits equal the no-cache ones; replayed tokens are reported apart."""
+
+import pytest
+import torch
+
+from deepinfer.llm import LLM
+from deepinfer.sampling_params import SamplingParams
+from test_deepseek_v4 import tiny_v4
+from tiny_checkpoints import make_tokenizer
+
+PS = 4
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def v4_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_v4")
+    tok = make_tokenizer()
+    model = tiny_v4(vocab_size=len(tok))
+    model.config.eos_token_id = tok.convert_tokens_to_ids("<|im_end|>")
+    model.config.bos_token_id = tok.convert_tokens_to_ids("<|endoftext|>")
+    model.save_pretrained(path, safe_serialization=True)
+    tok.save_pretrained(path)
+    return path
+
+
+def make(path, **kw):
+    args = dict(page_size=PS, num_pages=256, max_num_batched_tokens=64, max_num_seqs=4,
+                progress=False, enable_disk_cache=False, host_cache_gb=0)
+    args.update(kw)
+    return LLM(str(path), **args)
+
+
+def ids(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 300, (n,), generator=g).tolist()
+
+
+def check_accounting(o):
+    assert o.num_cached_tokens + o.num_replayed_tokens + o.num_computed_tokens == o.num_prompt_tokens
+
+
+def test_shared_prefix_greedy_equal_no_cache(v4_path):
+    shared = ids(40, 1)
+    prompts = [shared + ids(13, 2), shared + ids(9, 3), shared + ids(17, 4)]
+    ref = [o.token_ids for o in make(v4_path, enable_prefix_cache=False).generate(prompts, GREEDY)]
+    paged = make(v4_path, window_ring=False)  # every token of every spec paged
+    assert [paged.generate(p, GREEDY)[0].token_ids for p in prompts] == ref
+    # snapshot: one every 8 tokens (the ring window), so one at 40
+    for mode, (cached, replayed) in {"snapshot": (40, 0), "off": (0, 40)}.items():
+        llm = make(v4_path, window_reuse=mode)
+        first = llm.generate(prompts[0], GREEDY)[0]
+        rest = llm.generate(prompts[1:], GREEDY)
+        assert [first.token_ids] + [o.token_ids for o in rest] == ref, mode
+        for o in rest:
+            check_accounting(o)
+            assert (o.num_cached_tokens, o.num_replayed_tokens) == (cached, replayed), mode
+
+
+def test_logits_after_a_hit_equal_no_cache(v4_path):
+    shared = ids(43, 5)  # the hit: 40 tokens, inside CSA and HCA windows of the tail
+    p1, p2 = shared + ids(13, 6), shared + ids(9, 7)
+    ref, _ = make(v4_path, enable_prefix_cache=False).engine.score([p2])[0]
+    engine = make(v4_path).engine
+    engine.score([p1])
+    logits, start = engine.score([p2])[0]
+    assert start == 40
+    assert (logits - ref[start:]).abs().max().item() <= 1e-5
+
+
+def test_multi_turn_chat_hits_turn_end_snapshots(v4_path):
+    llm, nocache = make(v4_path), make(v4_path, enable_prefix_cache=False)
+    conv = []
+    for turn in range(4):
+        prompt = conv + ids(7 + 3 * turn, 20 + turn)
+        o = llm.generate(prompt, GREEDY)[0]
+        assert o.token_ids == nocache.generate(prompt, GREEDY)[0].token_ids
+        check_accounting(o)
+        if turn:  # the previous turn's last full page, restored from its turn-end snapshot
+            assert o.num_cached_tokens == (len(conv) - 1) // PS * PS and o.num_replayed_tokens == 0
+        conv = prompt + o.token_ids
