@@ -48,14 +48,14 @@ class PagePool:
                 self.buffers.append(self.buffers[spec.share_with])
                 continue
             self.buffers.append({
-                name: torch.zeros(num_pages, page_size, *shape, dtype=dtype, device=device)
+                name: torch.zeros(num_pages, spec.rows_per_page(page_size), *shape, dtype=dtype, device=device)
                 for name, shape in spec.components
             })
 
     @staticmethod
     def bytes_per_page(specs: list[KVSpec], page_size: int, dtype: torch.dtype) -> int:
         elem = torch.empty((), dtype=dtype).element_size()
-        return sum(s.elements_per_token() for s in specs if s.owns_cache) * page_size * elem
+        return sum(s.elements_per_page(page_size) for s in specs if s.owns_cache) * elem
 
     def owned_buffers(self) -> list[torch.Tensor]:
         """Every distinct buffer, in a fixed order (what a page's bytes consist of)."""

@@ -14,8 +14,10 @@ Where the state lives (see the model's ``kv_specs``):
   projections (``ckv``/``cgate``, and ``ikv``/``igate`` of the indexer): an entry is pooled from
   the ring when its window closes, so a chunk boundary or a prefix hit needs no other compressor
   state than the ring's last tokens;
-* the page pool holds the entries (``entry``, and the indexer key ``ikey``) in the slot of the
-  token that closed their window, so a cached page carries exactly the entries its tokens decide.
+* the page pool holds the entries (``entry``, and the indexer key ``ikey``) in the page of the
+  token that closed their window, ``ceil(page_size / r)`` rows a page, so a cached page carries
+  exactly the entries its tokens decide. A replay from a page boundary cannot rebuild the ring's
+  compressor inputs, so V4 hits restore a ring snapshot or recompute from position 0.
 """
 
 from __future__ import annotations
@@ -68,8 +70,11 @@ class V4Batch:
         return V4Batch(paged, ring, spans)
 
 
-def token_slots(pages: torch.Tensor, positions: torch.Tensor, page_size: int) -> torch.Tensor:
-    return pages[positions // page_size] * page_size + positions % page_size
+def entry_slots(pages: torch.Tensor, closing: torch.Tensor, page_size: int, ratio: int) -> torch.Tensor:
+    """Rows of the entries whose windows close at ``closing``: in the page of the closing token,
+    which holds ``ceil(page_size / ratio)`` rows (``KVSpec.tokens_per_entry``)."""
+    rows = -(-page_size // ratio)
+    return pages[closing // page_size] * rows + (closing % page_size) // ratio
 
 
 def gather_ring(buf: torch.Tensor, span: SeqSpan) -> torch.Tensor:

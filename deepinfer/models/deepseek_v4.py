@@ -11,7 +11,8 @@ Sliding layers use the ``main`` RoPE, CSA/HCA layers (window and entries) the ``
 
 KV layout: spec ``i`` (i < num_layers) is layer i's window ring (K=V vector plus compressor inputs),
 with the window widened to cover a compressor's span; after those, one paged spec per CSA/HCA
-layer holds its compressed entries (and indexer keys) in the slot of the token closing their window.
+layer holds its compressed entries (and indexer keys), one row per ``r`` tokens, in the page of
+the token closing their window.
 
 MoE: scores ``sqrt(softplus(logits))``; experts chosen by top-k of scores + a selection bias, or, in
 ``hash_moe`` layers, by a fixed token-id table (``tid2eid``); weights are the chosen scores,
@@ -31,7 +32,7 @@ from ..forward_batch import ForwardBatch
 from ..kv.layout import KVSpec
 from ..layers.attention import store_kv
 from ..layers.compressed_attention import (Indexer, V4Batch, WindowCompressor, closing_positions,
-                                           compressed_attention, gather_ring, token_slots)
+                                           compressed_attention, entry_slots, gather_ring)
 from ..layers.hyper_connection import HyperConnection, HyperHead
 from ..layers.moe import MoEBlock, StackedExperts, dispatch_experts
 from ..layers.norm import RMSNorm
@@ -113,7 +114,7 @@ class V4Attention(nn.Module):
         if self.indexer() is not None:
             width = self.indexer().kv_proj.out_features
             comps += [("ikv", (1, width)), ("igate", (1, width))]
-        return KVSpec(tuple(comps), window=self.ring_window)
+        return KVSpec(tuple(comps), window=self.ring_window, feeds_pages=self.compressor is not None)
 
     def entry_spec(self) -> KVSpec | None:
         if self.compressor is None:
@@ -121,7 +122,7 @@ class V4Attention(nn.Module):
         comps = [("entry", (1, self.head_dim))]
         if self.indexer() is not None:
             comps.append(("ikey", (1, self.indexer().head_dim)))
-        return KVSpec(tuple(comps))
+        return KVSpec(tuple(comps), tokens_per_entry=self.ratio)
 
     def _store_entries(self, x: torch.Tensor, step: V4Batch, ring_kv: dict[str, torch.Tensor],
                        entry_kv: dict[str, torch.Tensor]) -> None:
@@ -135,7 +136,7 @@ class V4Attention(nn.Module):
             closing = closing_positions(span, self.ratio)
             if not closing.numel():
                 continue
-            slots = token_slots(span.pages, closing, ps)
+            slots = entry_slots(span.pages, closing, ps, self.ratio)
             for mod, kv_name, gate_name, out_name in parts:
                 kv = gather_ring(ring_kv[kv_name], span)
                 gate = gather_ring(ring_kv[gate_name], span)
@@ -163,7 +164,8 @@ class V4Attention(nn.Module):
             entries = chosen = None
             if entry_kv is not None:
                 n = span.end // self.ratio
-                slots = token_slots(span.pages, (torch.arange(n, device=x.device) + 1) * self.ratio - 1, ps)
+                closed = (torch.arange(n, device=x.device) + 1) * self.ratio - 1
+                slots = entry_slots(span.pages, closed, ps, self.ratio)
                 entries = entry_kv["entry"].view(-1, 1, hd)[slots]
                 if idx is not None and n:
                     keys = entry_kv["ikey"].view(-1, idx.head_dim)[slots]

@@ -50,8 +50,9 @@ def test_shared_prefix_greedy_equal_no_cache(v4_path):
     ref = [o.token_ids for o in make(v4_path, enable_prefix_cache=False).generate(prompts, GREEDY)]
     paged = make(v4_path, window_ring=False)  # every token of every spec paged
     assert [paged.generate(p, GREEDY)[0].token_ids for p in prompts] == ref
-    # snapshot: one every 8 tokens (the ring window), so one at 40
-    for mode, (cached, replayed) in {"snapshot": (40, 0), "off": (0, 40)}.items():
+    # snapshot: one every 8 tokens (the ring window), so one at 40; a replay of a V4 ring is only
+    # exact from position 0 (entries pooled from an empty ring would be wrong), so it replays all
+    for mode, (cached, replayed) in {"snapshot": (40, 0), "replay": (0, 40), "off": (0, 40)}.items():
         llm = make(v4_path, window_reuse=mode)
         first = llm.generate(prompts[0], GREEDY)[0]
         rest = llm.generate(prompts[1:], GREEDY)
@@ -61,15 +62,30 @@ def test_shared_prefix_greedy_equal_no_cache(v4_path):
             assert (o.num_cached_tokens, o.num_replayed_tokens) == (cached, replayed), mode
 
 
-def test_logits_after_a_hit_equal_no_cache(v4_path):
-    shared = ids(43, 5)  # the hit: 40 tokens, inside CSA and HCA windows of the tail
+@pytest.mark.parametrize("kw", [dict(), dict(window_snapshot_interval=0), dict(window_reuse="replay")],
+                         ids=["snapshot", "no-snapshot-at-hit", "replay"])
+def test_logits_after_a_hit_equal_no_cache(v4_path, kw):
+    """The hit ends inside CSA and HCA windows; without a snapshot there, the hit is replayed
+    from 0 (a replay from a boundary would pool entries from an empty ring: off by ~1e-3)."""
+    shared = ids(43, 5)  # the hit: 40 tokens
     p1, p2 = shared + ids(13, 6), shared + ids(9, 7)
     ref, _ = make(v4_path, enable_prefix_cache=False).engine.score([p2])[0]
-    engine = make(v4_path).engine
+    engine = make(v4_path, **kw).engine
     engine.score([p1])
     logits, start = engine.score([p2])[0]
-    assert start == 40
+    assert start == 40  # cached + replayed
     assert (logits - ref[start:]).abs().max().item() <= 1e-5
+
+
+def test_compressed_entries_are_packed_per_page(v4_path):
+    """With pages of 16 tokens the pool holds ceil(16 / r) entry rows per page: 4 for CSA (r=4),
+    2 for HCA (r=8); the window layers hold nothing in pages (their state is in the rings)."""
+    runner = make(v4_path, page_size=16).engine.runner
+    rows = [(spec.tokens_per_entry, {buf.shape[1] for buf in layer.values()})
+            for spec, layer in zip(runner.pool.specs, runner.pool.buffers) if layer]
+    assert rows == [(4, {4}), (8, {2}), (4, {4})]
+    hd, ihd = 32, 16  # head_dim, index_head_dim: CSA rows hold entry + indexer key
+    assert runner.pool.bytes_per_page(runner.pool.specs, 16, torch.float32) == 4 * (4 * (hd + ihd) * 2 + 2 * hd)
 
 
 def test_multi_turn_chat_hits_turn_end_snapshots(v4_path):

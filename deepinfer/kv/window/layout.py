@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 from ..layout import KVSpec
 
+REPLAY_ALL = 1 << 62  # ``replay_tokens`` of a group no replay from a boundary > 0 restores
+
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
@@ -39,7 +41,8 @@ class WindowLayout:
     layers: frozenset[int]  # owners and the layers reading their caches
     owners: tuple[int, ...]  # layers whose ring buffers exist (in order)
     window: int  # the largest window of the group (what a ring must cover)
-    replay_tokens: int  # exact boundary replay: sum of (window - 1) over the group's layers
+    replay_tokens: int  # exact boundary replay: sum of (window - 1) over the group's layers,
+    # or REPLAY_ALL when a ring feeds paged state (KVSpec.feeds_pages): then replay from 0
 
     @staticmethod
     def from_specs(specs: Sequence[KVSpec]) -> WindowLayout | None:
@@ -63,9 +66,11 @@ class WindowLayout:
             layers.update(readers.get(i, ()))
         if not owners:
             return None
+        if any(specs[i].tokens_per_entry != 1 for i in layers):
+            raise ValueError("window specs hold one entry per token")
         windows = [specs[i].window for i in layers]
-        return WindowLayout(frozenset(layers), tuple(owners), max(windows),
-                            sum(w - 1 for w in windows))
+        replay = REPLAY_ALL if any(specs[i].feeds_pages for i in layers) else sum(w - 1 for w in windows)
+        return WindowLayout(frozenset(layers), tuple(owners), max(windows), replay)
 
     def page_specs(self, specs: Sequence[KVSpec]) -> list[KVSpec]:
         """What the page pool holds per layer: group layers keep their window and sharing but no
