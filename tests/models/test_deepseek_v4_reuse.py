@@ -99,3 +99,26 @@ def test_multi_turn_chat_hits_turn_end_snapshots(v4_path):
         if turn:  # the previous turn's last full page, restored from its turn-end snapshot
             assert o.num_cached_tokens == (len(conv) - 1) // PS * PS and o.num_replayed_tokens == 0
         conv = prompt + o.token_ids
+
+
+def test_restarted_engine_hits_disk_pages_and_snapshots(v4_path, tmp_path):
+    """L3 holds the packed entry pages and the ring snapshots: a restarted engine sharing the
+    directory restores both (no replay) and decodes the same tokens as no cache."""
+    shared = ids(46, 15)  # the hit: 44 tokens; interval snapshots every 8
+    p1, p2 = shared + ids(7, 16), shared + ids(9, 17)
+    ref = make(v4_path, enable_prefix_cache=False).generate(p2, GREEDY)[0].token_ids
+
+    def restarted():
+        return make(v4_path, enable_disk_cache=True, disk_cache_dir=str(tmp_path))
+
+    first = restarted()
+    first.generate(p1, GREEDY)
+    assert first.engine.shutdown()
+    second = restarted()
+    o = second.generate(p2, GREEDY)[0]
+    check_accounting(o)
+    assert o.token_ids == ref
+    assert (o.num_cached_tokens, o.num_replayed_tokens) == (40, 4)  # the snapshot at 40, a gap of 4
+    assert o.cached_tokens_by_tier["disk"] == 40
+    assert second.engine.stats()["window_snapshot_disk_hits"] == 1
+    assert second.engine.shutdown()
