@@ -71,7 +71,8 @@ class KVSize:
 def component_bytes_per_token(spec: KVSpec, codec_name: str, dtype: torch.dtype,
                               page_size: int) -> float:
     codec = get_codec(codec_name, page_size=page_size)
-    return sum(codec.encoded_nbytes((page_size, *shape), dtype) for _, shape in spec.components) / page_size
+    rows = spec.rows_per_page(page_size)  # page_size, or fewer for compressed KV entries
+    return sum(codec.encoded_nbytes((rows, *shape), dtype) for _, shape in spec.components) / page_size
 
 
 def kv_layout(config, share: int = 1) -> tuple[list[KVSpec], str]:
@@ -174,6 +175,49 @@ def reference_configs() -> dict[str, object]:
     }
 
 
+def v4_reference_configs() -> dict[str, object]:
+    """DeepSeek-V4 architectures as their published config.json files give them (numbers typed
+    in; ``compress_ratios`` per layer: 0 window only, 4 CSA, 128 HCA, last entry the MTP layer)."""
+    from transformers import DeepseekV4Config
+
+    common = dict(vocab_size=129280, num_key_value_heads=1, head_dim=512, qk_rope_head_dim=64,
+                  sliding_window=128, hc_mult=4, hc_sinkhorn_iters=20, num_hash_layers=3,
+                  n_shared_experts=1, num_experts_per_tok=6, index_n_heads=64, index_head_dim=128,
+                  max_position_embeddings=1048576, compress_rope_theta=160000,
+                  rope_scaling={"type": "yarn", "factor": 16, "beta_fast": 32, "beta_slow": 1,
+                                "original_max_position_embeddings": 65536})
+    flash = DeepseekV4Config(**common, hidden_size=4096, num_hidden_layers=43, num_attention_heads=64,
+                             q_lora_rank=1024, o_groups=8, o_lora_rank=1024, index_topk=512,
+                             n_routed_experts=256, moe_intermediate_size=2048,
+                             compress_ratios=[0, 0] + [4, 128] * 20 + [4, 0])
+    pro = DeepseekV4Config(**common, hidden_size=7168, num_hidden_layers=61, num_attention_heads=128,
+                           q_lora_rank=1536, o_groups=16, o_lora_rank=1024, index_topk=1024,
+                           n_routed_experts=384, moe_intermediate_size=3072,
+                           compress_ratios=[128, 128] + [4, 128] * 29 + [4, 0])
+    for cfg in (flash, pro):
+        cfg.architectures = ["DeepseekV4ForCausalLM"]
+    return {"DeepSeek-V4-Flash": flash, "DeepSeek-V4-Pro": pro}
+
+
+def v4_sizes(config, codec: str = "lossless", page_size: int = 16) -> dict[str, float]:
+    """A V4 model's KV as the engine lays it out: paged bytes/token (compressed entries and
+    indexer keys, per attention type) and ring bytes per sequence (window K=V plus compressor
+    inputs, for ring_window tokens)."""
+    from .deepseek_v4 import ring_window
+
+    specs = model_kv_specs(config)
+    n = config.num_hidden_layers
+    rings, entries = specs[:n], specs[n:]
+    kinds = [t for t in config.layer_types if t != "sliding_attention"]
+    per = lambda s: component_bytes_per_token(s, codec, torch.bfloat16, page_size)  # noqa: E731
+    out = {"layers": dict((t, config.layer_types.count(t)) for t in sorted(set(config.layer_types)))}
+    for kind in sorted(set(kinds)):
+        out[kind] = sum(per(s) for s, k in zip(entries, kinds) if k == kind)
+    out["paged_per_token"] = sum(per(s) for s in entries)
+    out["ring_per_seq"] = sum(per(s) for s in rings) * ring_window(config)
+    return out
+
+
 CODECS = (("bf16", "lossless"), ("fp8", "fp8"), ("fp4", "fp4"))
 
 
@@ -212,7 +256,25 @@ def tables(page_size: int = 16) -> str:
                                + [_fmt(k.window_bytes_per_seq) for k in plain]
                                + [_fmt(k.window_bytes_per_seq) + mark for k in shared]
                                + [_fmt(k.per_token_all) for k in plain]))
-    return "\n".join(per_token) + "\n\n" + "\n".join(window)
+    return "\n".join(per_token) + "\n\n" + "\n".join(window) + "\n\n" + v4_table(page_size)
+
+
+def v4_table(page_size: int = 16) -> str:
+    rows = [_row(["model", "page", "layers (window / CSA / HCA)", "codec", "CSA entries B/token",
+                  "HCA entries B/token", "paged B/token", "ring B/seq"]),
+            "|---|---:|---|---|---:|---:|---:|---:|"]
+    for name, cfg in v4_reference_configs().items():
+        for ps in (page_size, 128):
+            for label, codec in CODECS[:2]:
+                k = v4_sizes(cfg, codec, ps)
+                n = k["layers"]
+                counts = (f"{n.get('sliding_attention', 0)} / {n.get('compressed_sparse_attention', 0)}"
+                          f" / {n.get('heavily_compressed_attention', 0)}")
+                rows.append(_row([name, str(ps), counts, label,
+                                  _fmt(k.get("compressed_sparse_attention", 0)),
+                                  _fmt(k.get("heavily_compressed_attention", 0)),
+                                  _fmt(k["paged_per_token"]), _fmt(k["ring_per_seq"])]))
+    return "\n".join(rows)
 
 
 if __name__ == "__main__":

@@ -72,3 +72,25 @@ def test_codec_formula_matches_codec():
 def test_table_renders():
     text = tables()
     assert "DeepSeek-V3 (MLA)" in text and "131,072" in text and "70,272" in text
+
+
+def test_deepseek_v4_flash_layout():
+    """V4-Flash: 2 window-only, 21 CSA (r=4), 20 HCA (r=128) layers. Pages hold one entry row per
+    r tokens (HCA: one row per 16-token page, as a row cannot span pages), rings hold the window
+    K=V vector plus the compressor (and indexer) inputs for 128 tokens."""
+    from deepinfer.models.kv_size import v4_reference_configs, v4_sizes
+
+    cfg = v4_reference_configs()["DeepSeek-V4-Flash"]
+    specs, _ = kv_layout(cfg)
+    assert len(specs) == 43 + 41
+    assert [s.tokens_per_entry for s in specs[43:46]] == [4, 128, 4]
+    k = v4_sizes(cfg, page_size=PS)
+    assert k["layers"] == {"compressed_sparse_attention": 21, "heavily_compressed_attention": 20,
+                           "sliding_attention": 2}
+    assert k["compressed_sparse_attention"] == 21 * (512 + 128) * 2 / 4
+    assert k["heavily_compressed_attention"] == 20 * 512 * 2 / PS
+    assert v4_sizes(cfg, page_size=128)["heavily_compressed_attention"] == 20 * 512 * 2 / 128
+    ring_elements = 2 * 512 + 21 * (512 + 4 * 512 + 4 * 128) + 20 * (512 + 2 * 512)
+    assert k["ring_per_seq"] == ring_elements * 2 * 128
+    pool = PagePool(specs[43:], 2, PS, torch.bfloat16, torch.device("meta"))
+    assert pool.bytes_per_page(specs[43:], PS, torch.bfloat16) == k["paged_per_token"] * PS
