@@ -51,3 +51,69 @@ def test_v4_matches_transformers():
     model = tiny_v4()
     diffs = check_against_hf(model, PROMPT, [5, 15, 17], OTHER, decode=6)
     assert max(diffs.values()) <= TOL, diffs
+
+
+FP4 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+
+
+def pow2_scale(amax, top):
+    return torch.exp2(torch.ceil(torch.log2(amax.clamp(min=1e-12) / top)))
+
+
+def fp8_blocks(w, block=32):
+    """e4m3 values with one power-of-two (e8m0) scale per block: (values, scale, de-quantized)."""
+    r, c = w.shape
+    blocks = w.reshape(r // block, block, c // block, block)
+    scale = pow2_scale(blocks.abs().amax(dim=(1, 3)), 448.0)
+    q = (blocks / scale[:, None, :, None]).to(torch.float8_e4m3fn)
+    deq = (q.float() * scale[:, None, :, None]).reshape(r, c)
+    return q.reshape(r, c), scale.to(torch.float8_e8m0fnu), deq
+
+
+def fp4_rows(w, group=32):
+    """int8-packed e2m1 pairs (low nibble first) with an e8m0 scale per 32 values of a row."""
+    r, c = w.shape
+    g = w.reshape(r, c // group, group)
+    scale = pow2_scale(g.abs().amax(dim=-1), 6.0)
+    codes = ((g / scale[..., None])[..., None] - FP4).abs().argmin(dim=-1).reshape(r, c)
+    deq = (FP4[codes].reshape(r, c // group, group) * scale[..., None]).reshape(r, c)
+    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8).view(torch.int8)
+    return packed, scale.to(torch.float8_e8m0fnu), deq
+
+
+def test_v4_fp8_and_fp4_checkpoint_dequantizes_exactly():
+    """DeepSeek-V4's checkpoint format: attention projections in FP8 with e8m0 block scales, routed
+    experts as int8-packed FP4 with a scale per 32 values, both as ``X.weight`` + ``X.scale``
+    (DeepSeek's per-expert names). The engine's logits equal transformers' on the de-quantized
+    weights."""
+    import copy
+    import types
+
+    from model_check import hf_logits, make_runner, run_prompt_logits
+
+    model = tiny_v4()
+    quantized, plain = [], dict(model.state_dict())
+    for name, w in model.state_dict().items():
+        proj = name.rsplit(".", 2)[-2] if name.endswith(".weight") else ""
+        if ".self_attn." in name and ".compressor." not in name and proj.endswith("_proj"):
+            q, s, plain[name] = fp8_blocks(w)
+            quantized += [(name, q), (name.removesuffix(".weight") + ".scale", s)]
+        elif name.endswith("mlp.experts.gate_up_proj") or name.endswith("mlp.experts.down_proj"):
+            stem = name.rsplit(".", 1)[0]
+            deq = torch.empty_like(w)
+            for e in range(w.shape[0]):
+                parts = ([("w1", slice(0, 32)), ("w3", slice(32, 64))] if name.endswith("gate_up_proj")
+                         else [("w2", slice(None))])
+                for proj_name, rows in parts:
+                    q, s, deq[e, rows] = fp4_rows(w[e, rows])
+                    quantized += [(f"{stem}.{e}.{proj_name}.weight", q), (f"{stem}.{e}.{proj_name}.scale", s)]
+            plain[name] = deq
+        else:
+            quantized.append((name, w))
+    model.load_state_dict(plain)
+    config = copy.deepcopy(model.config)
+    config.quantization_config = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
+                                  "weight_block_size": [32, 32]}
+    ckpt = types.SimpleNamespace(config=config, weights=lambda: iter(quantized), name="v4-fp8", fingerprint="q")
+    diff = (run_prompt_logits(make_runner(model, ckpt=ckpt), PROMPT) - hf_logits(model, PROMPT)).abs().max()
+    assert diff <= TOL
