@@ -104,6 +104,20 @@ class CausalLM(nn.Module):
         """
         return None
 
+    _PER_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp)\.(experts\.\d+\..*)$")
+
+    def load_per_expert_weight(self, target: str, tensor: torch.Tensor) -> str | None:
+        """``model.layers.N.mlp.experts.E.<proj>.weight`` into its ``MoEBlock``'s stacked experts
+        (checkpoints name experts one by one); None when ``target`` is no such name."""
+        from ..layers.moe import MoEBlock
+
+        m = self._PER_EXPERT.match(target)
+        if m is None:
+            return None
+        block = self.get_submodule(m.group(1))
+        assert isinstance(block, MoEBlock)
+        return f"{m.group(1)}.experts.{block.load_expert_weight(m.group(2), tensor)}"
+
     def tied_embeddings(self) -> bool:
         return bool(getattr(getattr(self, "config", None), "tie_word_embeddings", False))
 

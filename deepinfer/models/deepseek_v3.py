@@ -235,13 +235,7 @@ class DeepseekV3ForCausalLM(CausalLM):
         return name
 
     def load_custom_weight(self, target: str, tensor: torch.Tensor) -> str | None:
-        m = re.match(r"^(model\.layers\.\d+\.mlp)\.(experts\.\d+\..*)$", target)
-        if m is None:
-            return None
-        block = self.get_submodule(m.group(1))
-        assert isinstance(block, DeepseekMoE)
-        pname = block.load_expert_weight(m.group(2), tensor)
-        return f"{m.group(1)}.experts.{pname}"
+        return self.load_per_expert_weight(target, tensor)
 
 
 class DeepseekV2ForCausalLM(DeepseekV3ForCausalLM):

@@ -325,9 +325,4 @@ class DeepseekV4ForCausalLM(CausalLM):
         return name if name.startswith("lm_head.") else "model." + name
 
     def load_custom_weight(self, target: str, tensor: torch.Tensor) -> str | None:
-        m = re.match(r"^(model\.layers\.\d+\.mlp)\.(experts\.\d+\..*)$", target)
-        if m is None:
-            return None
-        block = self.get_submodule(m.group(1))
-        assert isinstance(block, V4MoE)
-        return f"{m.group(1)}.experts.{block.load_expert_weight(m.group(2), tensor)}"
+        return self.load_per_expert_weight(target, tensor)

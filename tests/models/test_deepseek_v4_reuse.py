@@ -5,13 +5,9 @@ pages), so greedy tokens and logits equal the no-cache ones; replayed tokens are
 import pytest
 import torch
 
-from deepinfer.llm import LLM
-from deepinfer.sampling_params import SamplingParams
 from test_deepseek_v4 import tiny_v4
+from test_window_reuse import GREEDY, PS, check_accounting, ids, make
 from tiny_checkpoints import make_tokenizer
-
-PS = 4
-GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -26,22 +22,6 @@ def v4_path(tmp_path_factory):
     model.save_pretrained(path, safe_serialization=True)
     tok.save_pretrained(path)
     return path
-
-
-def make(path, **kw):
-    args = dict(page_size=PS, num_pages=256, max_num_batched_tokens=64, max_num_seqs=4,
-                progress=False, enable_disk_cache=False, host_cache_gb=0)
-    args.update(kw)
-    return LLM(str(path), **args)
-
-
-def ids(n, seed):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, 300, (n,), generator=g).tolist()
-
-
-def check_accounting(o):
-    assert o.num_cached_tokens + o.num_replayed_tokens + o.num_computed_tokens == o.num_prompt_tokens
 
 
 def test_shared_prefix_greedy_equal_no_cache(v4_path):
