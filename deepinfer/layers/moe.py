@@ -59,7 +59,19 @@ class MoEBlock(nn.Module):
         self.layer_idx = layer_idx
         self.num_experts = num_experts
         self.top_k = top_k
+        # experts split over ranks (parallel/expert_parallel.py): (x, idx, weights) -> routed output
+        self.expert_shard: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
         self.reset_stats()
+
+    def run_experts(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The routed experts' weighted output (on this rank's shard when split), recorded."""
+        if self.expert_shard is None:
+            out, counts = dispatch_experts(x, idx, weights, self.num_experts, self.experts)
+        else:
+            counts = torch.bincount(idx.reshape(-1), minlength=self.num_experts).tolist()
+            out = self.expert_shard(x, idx, weights)
+        self.record(counts)
+        return out
 
     def reset_stats(self) -> None:
         self.last_counts: list[int] = [0] * self.num_experts

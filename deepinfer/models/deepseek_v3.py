@@ -31,7 +31,7 @@ from transformers.activations import ACT2FN
 from ..forward_batch import ForwardBatch
 from ..kv.layout import KVSpec
 from ..layers.attention import paged_attention, store_kv
-from ..layers.moe import MoEBlock, StackedExperts, dispatch_experts
+from ..layers.moe import MoEBlock, StackedExperts
 from ..layers.norm import RMSNorm
 from ..layers.rotary import RotaryEmbedding, rope_inv_freq
 from .base import CausalLM
@@ -172,8 +172,7 @@ class DeepseekMoE(MoEBlock):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         idx, weights = self.route(x)
-        out, counts = dispatch_experts(x, idx, weights, self.num_experts, self.experts)
-        self.record(counts)
+        out = self.run_experts(x, idx, weights)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out

@@ -34,7 +34,7 @@ from ..layers.attention import store_kv
 from ..layers.compressed_attention import (Indexer, V4Batch, WindowCompressor, closing_positions,
                                            compressed_attention, entry_slots, gather_ring)
 from ..layers.hyper_connection import HyperConnection, HyperHead
-from ..layers.moe import MoEBlock, StackedExperts, dispatch_experts
+from ..layers.moe import MoEBlock, StackedExperts
 from ..layers.norm import RMSNorm
 from ..layers.rotary import RotaryEmbedding, rope_inv_freq
 from .base import CausalLM
@@ -247,9 +247,7 @@ class V4MoE(MoEBlock):
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         idx, weights = self.route(x, input_ids)
-        out, counts = dispatch_experts(x, idx, weights, self.num_experts, self.experts)
-        self.record(counts)
-        return out + self.shared_experts(x)
+        return self.run_experts(x, idx, weights) + self.shared_experts(x)
 
 
 class V4DecoderLayer(nn.Module):

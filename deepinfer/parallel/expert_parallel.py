@@ -11,12 +11,13 @@ The same code runs on gloo (CPU) and NCCL (CUDA): only the process group differs
 from __future__ import annotations
 
 import copy
+from functools import partial
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..layers.moe import StackedExperts
+from ..layers.moe import MoEBlock, StackedExperts
 from .eplb import Placement
 
 
@@ -65,3 +66,17 @@ class ExpertShard(nn.Module):
             out.index_add_(0, t, (y * weights[t, slot[sel], None]).to(x.dtype))
         dist.all_reduce(out, group=group)
         return out
+
+
+def shard_experts(model: nn.Module, placements: dict[int, Placement], rank: int,
+                  group: dist.ProcessGroup | None = None) -> None:
+    """Split every MoE layer of ``model`` (``placements`` by layer index) over the ranks: each
+    keeps only its own experts' weights and serves its pairs, the others' come by ``all_reduce``."""
+    for block in model.modules():
+        if not isinstance(block, MoEBlock):
+            continue
+        if not isinstance(block.experts, StackedExperts):
+            raise ValueError(f"{type(block).__name__}: only stacked experts can be split over ranks")
+        shard = ExpertShard(block.experts, placements[block.layer_idx], rank)
+        block.experts = shard.experts  # the full stack is dropped from this rank
+        block.expert_shard = partial(shard.forward, group=group)

@@ -1,9 +1,10 @@
-"""A V4 MoE layer's experts split over 2 gloo ranks (EPLB placement with hot replicas): every rank's
-output equals the single-device layer."""
+"""MoE experts split over 2 gloo ranks by EPLB placements (with hot replicas): a V4 MoE layer's
+output, and a whole tiny V4 model's logits, equal the single-device ones on every rank."""
 
 import socket
+import sys
+from pathlib import Path
 
-import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -11,15 +12,13 @@ import torch.multiprocessing as mp
 from deepinfer.layers.moe import dispatch_experts
 from deepinfer.models.deepseek_v4 import V4MoE
 from deepinfer.parallel.eplb import balanced_placement, contiguous_placement
-from deepinfer.parallel.expert_parallel import ExpertShard
+from deepinfer.parallel.expert_parallel import ExpertShard, shard_experts
 
 WORLD = 2
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))  # the tiny V4 of the model tests
 
 
 def moe_layer():
-    import sys
-    from pathlib import Path
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
     from test_deepseek_v4 import tiny_v4_config
 
     torch.manual_seed(0)
@@ -63,3 +62,31 @@ def test_expert_parallel_equals_single_device():
     # fork: the children inherit the imported modules (spawning re-imports torch and transformers)
     mp.start_processes(worker, args=(free_port(), placements), nprocs=WORLD, join=True,
                        start_method="fork")
+
+
+def model_worker(rank, port):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    torch.set_num_threads(1)
+    try:
+        from model_check import make_runner, random_ids, run_prompt_logits
+        from test_deepseek_v4 import tiny_v4
+
+        model = tiny_v4(n_routed_experts=8, num_experts_per_tok=3)
+        ids = random_ids(37, 256, 3)
+        runner = make_runner(model)
+        ref = run_prompt_logits(runner, ids)
+        stats = runner.model.moe_stats()
+        placements = {layer: balanced_placement([float(c) for c in s["total"]], WORLD, extra=1)
+                      for layer, s in stats["layers"].items()}
+        shard_experts(runner.model, placements, rank)
+        for layer in runner.model.model.layers:  # this rank holds only its slots' experts
+            assert layer.mlp.experts.gate_up_proj.shape[0] == len(set(placements[layer.mlp.layer_idx].devices[rank]))
+        got = run_prompt_logits(runner, ids, rid="again")
+        torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
+        assert runner.model.moe_stats()["layers"][1]["total"] == [2 * c for c in stats["layers"][1]["total"]]
+    finally:
+        dist.destroy_process_group()
+
+
+def test_sharded_model_logits_equal_single_device():
+    mp.start_processes(model_worker, args=(free_port(),), nprocs=WORLD, join=True, start_method="fork")
