@@ -10,7 +10,7 @@ ideal (everything before the new user message), replayed tokens per hit; then, p
 the max/mean device load of a contiguous expert layout and of EPLB with one hot replica per
 device, on the tokens each expert received. Counts only, so a busy machine does not change them.
 
-    python bench/v4_chat.py [--conversations 4] [--turns 6] [--devices 8]
+    python benchmarks/v4_chat.py [--conversations 4] [--turns 6] [--devices 8]
 """
 
 from __future__ import annotations
