@@ -47,8 +47,12 @@ PROMPT = random_ids(37, 256, 1)
 OTHER = random_ids(13, 256, 2)
 
 
-def test_v4_matches_transformers():
-    model = tiny_v4()
+@pytest.mark.parametrize("rates", [None, {"compressed_sparse_attention": 8, "heavily_compressed_attention": 16}],
+                         ids=["issue-config", "spans-past-window"])
+def test_v4_matches_transformers(rates):
+    """One prefill, chunks 5 + 15 + 17, batched decode; with ratios 8 / 16 the compressors span
+    more than the window of 8, so the ring is wider than the attention window."""
+    model = tiny_v4(**({"compress_rates": rates} if rates else {}))
     diffs = check_against_hf(model, PROMPT, [5, 15, 17], OTHER, decode=6)
     assert max(diffs.values()) <= TOL, diffs
 
