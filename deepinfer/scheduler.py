@@ -68,6 +68,10 @@ class Scheduler:
         w = 0
         while w < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[w]
+            # a request with n/best_of > 1 forks into that many sequences after its prefill
+            width = req.params.num_samples if req.group is None else 1
+            if len(self.running) + width > self.config.max_num_seqs:
+                break
             if self.kv.prefetch(req):  # its KV is still being loaded: schedule the next one
                 w += 1
                 continue
