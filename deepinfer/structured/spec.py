@@ -1,5 +1,5 @@
-"""What shape a request's output must have: JSON (any object, or a JSON schema), a regex, an
-EBNF grammar, or a structural tag (tagged JSON segments, e.g. tool calls).
+"""What shape a request's output must have: JSON (any object, or a JSON schema), a regex, or
+a Lark grammar (which may embed JSON schemas: ``%json {...}``, e.g. for tool calls).
 
 A spec is plain data (kind + canonical text), frozen and hashable, so the compiled grammar
 can be cached per spec; it is checked for shape here and compiled (which finds the deeper
@@ -14,16 +14,17 @@ from typing import Literal
 
 from ..errors import RequestError
 
-Kind = Literal["json_object", "json_schema", "regex", "ebnf", "structural_tag"]
-KINDS: tuple[str, ...] = ("json_object", "json_schema", "regex", "ebnf", "structural_tag")
+Kind = Literal["json_object", "json_schema", "regex", "lark"]
+KINDS: tuple[str, ...] = ("json_object", "json_schema", "regex", "lark")
 
 FIELD = "structured_output"  # the SamplingParams field; the server maps it to its own name
 
 
 @dataclass(frozen=True)
 class StructuredOutput:
-    """``kind`` and its ``spec`` text: a JSON schema or structural tag as canonical JSON, a
-    regex, or an EBNF grammar (xgrammar's dialect, rule ``root`` first); empty for json_object."""
+    """``kind`` and its ``spec`` text: a JSON schema as canonical JSON, a regex, or a Lark
+    grammar (llguidance's dialect: rule ``start``; ``%json {schema}`` embeds a JSON schema);
+    empty for json_object."""
 
     kind: Kind
     spec: str = ""
@@ -52,19 +53,12 @@ class StructuredOutput:
         return cls("regex", pattern)
 
     @classmethod
-    def ebnf(cls, grammar: str) -> StructuredOutput:
-        return cls("ebnf", grammar)
+    def lark(cls, grammar: str) -> StructuredOutput:
+        """A Lark grammar, e.g. for a required tool call::
 
-    @classmethod
-    def structural_tag(cls, tag: dict) -> StructuredOutput:
-        """xgrammar's structural-tag format, e.g. for a required tool call::
-
-            {"type": "structural_tag", "format": {"type": "tag", "begin": "<tool_call>",
-             "content": {"type": "json_schema", "json_schema": {...}}, "end": "</tool_call>"}}
+            start: "<tool_call>\\n" %json {"type": "object", ...} "\\n</tool_call>"
         """
-        if not isinstance(tag, dict):
-            raise RequestError(FIELD, "a structural tag must be an object")
-        return cls("structural_tag", _canonical(tag))
+        return cls("lark", grammar)
 
 
 def _canonical(obj: object) -> str:
