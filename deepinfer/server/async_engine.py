@@ -102,6 +102,7 @@ class _Live:
     prompt: BuiltPrompt
     num_sent_ids: int = 0
     index: int = 0  # its sample's place among the request's n
+    samples_done: int = 0  # (the first sample's) samples whose end was published
 
 
 def _deliver(batch: list[tuple[asyncio.Queue, Delta]]) -> None:
@@ -424,13 +425,16 @@ class AsyncEngine:
                       index=live.index)
         if req.group is None:
             self._post(live, final)
-        elif not req.group.is_finished:
+            return
+        root = self._roots[req.group.request_id]
+        root.samples_done += 1
+        if root.samples_done < len(req.group.members):
             if not ranked:
                 self._post(live, final)
-        else:
-            root = self._roots.pop(req.group.request_id)
-            for d in self._group_end(root, req.group, final, ranked):
-                self._post(root, d)
+            return
+        del self._roots[req.group.request_id]
+        for d in self._group_end(root, req.group, final, ranked):
+            self._post(root, d)
 
     def _group_end(self, root: _Live, group: SampleGroup, final: Delta,
                    ranked: bool) -> list[Delta]:
