@@ -111,3 +111,16 @@ def test_too_many_samples_is_a_request_error(tiny_llama):
     with pytest.raises(RequestError) as e:
         llm.generate(PROMPT, SamplingParams(logit_bias={10**6: 1.0}))
     assert e.value.field == "logit_bias"
+
+
+def test_a_pool_too_small_for_the_copies_still_gives_right_samples(tiny_llama):
+    """7 usable pages, the prompt takes 5: the third extra sample finds no page for its copy,
+    waits and recomputes from the cache; greedy samples all equal the greedy output."""
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    ref = make(tiny_llama).generate(PROMPT, greedy)[0].token_ids
+    llm = make(tiny_llama, num_pages=8, max_model_len=28)
+    outs = llm.generate(PROMPT, SamplingParams(n=4, max_tokens=6, temperature=0.0,
+                                               ignore_eos=True))
+    assert [o.token_ids for o in outs] == [ref] * 4
+    assert llm.engine.stats()["computed_prompt_tokens"] > len(PROMPT)  # someone recomputed
+    assert_pages_back(llm)
