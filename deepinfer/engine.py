@@ -137,7 +137,7 @@ class LLMEngine:
     def grammar_compiler(self):
         """The structured-output compiler for this tokenizer (built on the first request)."""
         if self._grammars is None:
-            from .structured.grammar import GrammarCompiler  # xgrammar loads on first use
+            from .structured.grammar import GrammarCompiler  # llguidance loads on first use
 
             self._grammars = GrammarCompiler(self.tokenizer, self.hf_config.vocab_size,
                                              sorted(self.eos_token_ids))

@@ -134,7 +134,7 @@ class ModelRunner:
                             [reqs[i].output_token_ids for i in penalized])
         constrained = [i for i, r in enumerate(reqs) if r.grammar is not None]
         if constrained:
-            from .structured.grammar import apply_masks  # xgrammar loads on first use
+            from .structured.grammar import apply_masks  # llguidance loads on first use
 
             apply_masks(logits, constrained, [reqs[i].grammar for i in constrained])
         gens = [self._request_generator(r) for r in reqs]
