@@ -11,6 +11,7 @@ import dataclasses
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -24,6 +25,9 @@ from .model_runner import ModelRunner
 from .request import Request, SampleGroup, Status
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
+
+if TYPE_CHECKING:
+    from .structured.grammar import GrammarCompiler
 
 MAX_DEFAULT_LEN = 8192
 
@@ -76,7 +80,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.kv)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
-        self._grammars = None  # structured.grammar.GrammarCompiler, built on first use
+        self._grammars: GrammarCompiler | None = None  # built on the first constrained request
 
     def shutdown(self, timeout: float | None = 60.0) -> bool:
         """Graceful stop: wait for queued L2/L3 writes to land, stop the tier threads.
@@ -114,8 +118,8 @@ class LLMEngine:
             raise RequestError("request_id", f"{rid!r} is already in use")
         req = Request(rid, ids, params, cache_salt=cache_salt)
         if params.structured_output is not None:
-            req.grammar = self.grammar_compiler().matcher(
-                self.grammar_compiler().compile(params.structured_output))
+            compiler = self.grammar_compiler()
+            req.grammar = compiler.matcher(compiler.compile(params.structured_output))
         self.requests[rid] = req
         self.scheduler.add(req)
         return req
@@ -134,7 +138,7 @@ class LLMEngine:
                 raise RequestError(field_name, f"must be <= max_num_seqs "
                                                f"({self.config.max_num_seqs}), got {k}")
 
-    def grammar_compiler(self):
+    def grammar_compiler(self) -> GrammarCompiler:
         """The structured-output compiler for this tokenizer (built on the first request)."""
         if self._grammars is None:
             from .structured.grammar import GrammarCompiler  # llguidance loads on first use
@@ -144,8 +148,10 @@ class LLMEngine:
         return self._grammars
 
     def abort(self, request_id: str) -> None:
-        """Abort a request (all its samples when it has several)."""
-        req = self.requests.get(request_id)
+        """Abort a request (all its samples when it has several, even once the first ended)."""
+        req = self.requests.get(request_id) or next(
+            (r for r in self.requests.values() if r.group and r.group.request_id == request_id),
+            None)
         members = req.group.members if req is not None and req.group else [req]
         for m in members:
             if m is not None:

@@ -124,3 +124,17 @@ def test_a_pool_too_small_for_the_copies_still_gives_right_samples(tiny_llama):
     assert [o.token_ids for o in outs] == [ref] * 4
     assert llm.engine.stats()["computed_prompt_tokens"] > len(PROMPT)  # someone recomputed
     assert_pages_back(llm)
+
+
+def test_abort_after_the_first_sample_ended_still_ends_the_others(tiny_llama):
+    llm = make(tiny_llama)
+    eng = llm.engine
+    req = eng.add_request(PROMPT, SamplingParams(n=2, max_tokens=40, temperature=1.0,
+                                                 ignore_eos=True))
+    while req.group is None:
+        eng.step()
+    eng.scheduler.finish(req, "stop")  # as if the first sample had hit a stop token
+    eng.requests.pop(req.request_id)
+    eng.abort(req.request_id)
+    assert req.group.members[1].finish_reason == "abort" and not eng.has_unfinished()
+    assert_pages_back(llm)

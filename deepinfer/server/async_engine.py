@@ -347,17 +347,19 @@ class AsyncEngine:
         fut.set_result(Admitted(sub.request_id, built, len(built.token_ids)))
 
     def _abort(self, request_id: str) -> None:
-        live = self._live.pop(request_id, None)
-        if live is None:
+        """Abort a request: every sample of it still running (the first may have ended)."""
+        root = self._roots.pop(request_id, None)
+        group = root.req.group if root is not None else None
+        lives = [self._live.pop(m.request_id, None) for m in group.members] if group else \
+            [self._live.pop(request_id, None)]
+        lives = [lv for lv in lives if lv is not None]
+        if not lives:
             return
-        req = live.req
-        self._roots.pop(request_id, None)
-        computed = req.num_computed_tokens  # before abort() releases the request
+        computed = [lv.req.num_computed_tokens for lv in lives]  # before abort() releases them
         self.engine.abort(request_id)  # every sample of it
         self.metrics.aborted += 1
-        self._account(live, "abort", computed)
-        for m in req.group.members[1:] if req.group else []:
-            self._live.pop(m.request_id, None)
+        for lv, n in zip(lives, computed):
+            self._account(lv, "abort", n)
 
     def _fail_all(self, message: str) -> None:
         for rid, live in list(self._live.items()):

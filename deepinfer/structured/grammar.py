@@ -79,10 +79,6 @@ class GrammarState:
     def terminated(self) -> bool:
         return self._matcher.is_stopped()
 
-    @property
-    def error(self) -> str | None:
-        return self._matcher.get_error() if self._matcher.is_error() else None
-
     def fresh(self) -> GrammarState:
         """A new matcher at the start of the same grammar (for a forked sample)."""
         return GrammarState(self._tokenizer, self._grammar)
