@@ -22,7 +22,7 @@ from .kv.layout import describe
 from .kv.radix import DEVICE, TIER_NAMES
 from .loader import load_checkpoint
 from .model_runner import ModelRunner
-from .request import Request, SampleGroup, Status
+from .request import Request, SampleGroup
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 
@@ -219,12 +219,8 @@ class LLMEngine:
             for k in range(1, req.params.num_samples):
                 child = self._child(req, k)
                 pairs = self.kv.fork(req, child)
-                if pairs is None:  # no room for its pages: it recomputes from the cache
-                    self.scheduler.waiting.appendleft(child)
-                else:
-                    copies += pairs
-                    child.status = Status.RUNNING
-                    self.scheduler.running.append(child)
+                self.scheduler.add_fork(child, running=pairs is not None)
+                copies += pairs or []
                 out.append(child)
                 rows.append(i)
         self.runner.copy_pages(copies)

@@ -44,6 +44,15 @@ class Scheduler:
         self.waiting.append(req)
         self.kv.prefetch(req)  # loads from L2/L3 start now, overlapping with compute
 
+    def add_fork(self, req: Request, running: bool) -> None:
+        """A sample forked from a running request: running if it got its KV pages, else at
+        the head of the queue (it recomputes its prompt's tail from the cache)."""
+        if running:
+            req.status = Status.RUNNING
+            self.running.append(req)
+        else:
+            self.waiting.appendleft(req)
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
