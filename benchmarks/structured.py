@@ -1,4 +1,4 @@
-"""Structured-output cost, two ways (run: ``python scripts/bench_structured.py``).
+"""Structured-output cost, two ways (run: ``python benchmarks/structured.py``).
 
 1. ``libs``: per-token cost of mask + advance of each grammar library that is installed
    (llguidance, xgrammar, outlines-core), teacher-forced over one JSON document with the
@@ -7,6 +7,8 @@
    JSON schema vs none, interleaved rounds, and the mask overhead per token that implies.
 
 Prints the CPU model with the results (figures are only comparable on the same machine).
+xgrammar and outlines-core are not dependencies: ``pip install xgrammar outlines-core`` to
+compare them too (a library that is not installed is skipped and said so).
 """
 
 from __future__ import annotations
