@@ -7,21 +7,27 @@ thread, the offline API from a loop.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
-from dataclasses import dataclass, field
 
 from .config import EngineConfig
 from .errors import RequestError
 from .kv.build import build_cache_manager, build_tiers
 from .kv.layout import describe
+from .kv.radix import DEVICE, TIER_NAMES
 from .loader import load_checkpoint
 from .model_runner import ModelRunner
-from .request import Request
+from .request import Request, SampleGroup
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
+
+if TYPE_CHECKING:
+    from .structured.grammar import GrammarCompiler
 
 MAX_DEFAULT_LEN = 8192
 
@@ -44,6 +50,8 @@ class RequestOutput:
     # prompt tokens of the prefix hit recomputed for sliding-window layers (kv/window/);
     # cached + replayed + computed == prompt tokens
     num_replayed_tokens: int = 0
+    index: int = 0  # which of the request's ``n`` samples (ranked by best_of when it is set)
+    cumulative_logprob: float | None = None  # of the sampled tokens (with logprobs or best_of)
 
 
 class LLMEngine:
@@ -72,6 +80,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.kv)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
+        self._grammars: GrammarCompiler | None = None  # built on the first constrained request
 
     def shutdown(self, timeout: float | None = 60.0) -> bool:
         """Graceful stop: wait for queued L2/L3 writes to land, stop the tier threads.
@@ -103,18 +112,52 @@ class LLMEngine:
                 f"model's context length of {self.max_model_len} tokens")
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise RequestError("cache_salt", "must be a string")
+        self._check_sampling(params)
         rid = request_id or f"req-{next(self._ids)}"
         if rid in self.requests:
             raise RequestError("request_id", f"{rid!r} is already in use")
         req = Request(rid, ids, params, cache_salt=cache_salt)
+        if params.structured_output is not None:
+            compiler = self.grammar_compiler()
+            req.grammar = compiler.matcher(compiler.compile(params.structured_output))
         self.requests[rid] = req
         self.scheduler.add(req)
         return req
 
+    def _check_sampling(self, params: SamplingParams) -> None:
+        vocab = self.hf_config.vocab_size
+        if any(t >= vocab for t in params.logit_bias):
+            raise RequestError("logit_bias", f"token ids must be in [0, {vocab})")
+        k = params.num_samples
+        if k > 1:
+            field_name = "best_of" if params.best_of else "n"
+            if self.runner.window is not None:
+                raise RequestError(field_name, "more than one sample is not supported with "
+                                               "sliding-window rings (--window-ring)")
+            if k > self.config.max_num_seqs:
+                raise RequestError(field_name, f"must be <= max_num_seqs "
+                                               f"({self.config.max_num_seqs}), got {k}")
+
+    def grammar_compiler(self) -> GrammarCompiler:
+        """The structured-output compiler for this tokenizer (built on the first request)."""
+        if self._grammars is None:
+            from .structured.grammar import GrammarCompiler  # llguidance loads on first use
+
+            self._grammars = GrammarCompiler(self.tokenizer, self.hf_config.vocab_size,
+                                             sorted(self.eos_token_ids))
+        return self._grammars
+
     def abort(self, request_id: str) -> None:
-        req = self.requests.pop(request_id, None)
-        if req is not None and not req.is_finished:
-            self.scheduler.finish(req, "abort")
+        """Abort a request (all its samples when it has several, even once the first ended)."""
+        req = self.requests.get(request_id) or next(
+            (r for r in self.requests.values() if r.group and r.group.request_id == request_id),
+            None)
+        members = req.group.members if req is not None and req.group else [req]
+        for m in members:
+            if m is not None:
+                self.requests.pop(m.request_id, None)
+                if not m.is_finished:
+                    self.scheduler.finish(m, "abort")
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
@@ -128,16 +171,28 @@ class LLMEngine:
             if self.scheduler.waiting and self.kv.loads_in_flight():
                 self.kv.wait_for_loads(0.05)  # only loading requests are left: no busy loop
             return []
-        sampled, result = self.runner.execute(batch.items)
+        sampled, logits = self.runner.forward(batch.items)
         for req, n in batch.items:
+            self.kv.stats.computed_prompt_tokens += max(
+                0, min(n, req.num_prompt_tokens - req.num_computed_tokens))
             req.num_computed_tokens += n
             self.kv.cache_pages(req)
+        if not sampled:
+            return sampled
+        if any(r.awaiting_fork for r in sampled):
+            sampled, rows = self._fork(sampled)
+            logits = logits[torch.tensor(rows, device=logits.device)]
+        result = self.runner.sample(sampled, logits)
         now = time.monotonic()
         for i, req in enumerate(sampled):
-            req.output_token_ids.append(result.tokens[i])
+            tok = result.tokens[i]
+            req.output_token_ids.append(tok)
             if result.logprobs is not None:
                 req.logprobs.append(result.logprobs[i])
                 req.top_logprobs.append(result.top_logprobs[i])
+                req.cumulative_logprob += result.logprobs[i]
+            if req.grammar is not None and not req.grammar.accept(tok):
+                raise RuntimeError(f"{req.request_id}: sampled token {tok} is outside its grammar")
             if req.first_token_time is None:
                 req.first_token_time = now
             self._check_stop(req)
@@ -146,9 +201,51 @@ class LLMEngine:
                 self.requests.pop(req.request_id, None)
         return sampled
 
+    def _fork(self, sampled: list[Request]) -> tuple[list[Request], list[int]]:
+        """Fork each request whose prompt just finished into its ``num_samples`` sequences.
+
+        The first sample is the request itself; the others share its prompt's KV (tree pages
+        locked once more, its own partial page copied) and each draw their first token from
+        the same logits row. Returns the sequences to sample and their logits rows."""
+        out: list[Request] = []
+        rows: list[int] = []
+        copies: list[tuple[int, int]] = []
+        for i, req in enumerate(sampled):
+            out.append(req)
+            rows.append(i)
+            if not req.awaiting_fork:
+                continue
+            req.group = SampleGroup(req.request_id, [req])
+            for k in range(1, req.params.num_samples):
+                child = self._child(req, k)
+                pairs = self.kv.fork(req, child)
+                self.scheduler.add_fork(child, running=pairs is not None)
+                copies += pairs or []
+                out.append(child)
+                rows.append(i)
+        self.runner.copy_pages(copies)
+        return out, rows
+
+    def _child(self, req: Request, k: int) -> Request:
+        p = req.params
+        params = p if p.seed is None else dataclasses.replace(p, seed=p.seed + k)
+        child = Request(f"{req.request_id}#{k}", req.prompt_token_ids, params,
+                        cache_salt=req.cache_salt, arrival_time=req.arrival_time,
+                        # its whole prompt came from the shared prefill
+                        num_cached_tokens=req.num_prompt_tokens,
+                        cached_tokens_by_tier={TIER_NAMES[DEVICE]: req.num_prompt_tokens},
+                        group=req.group, sample_index=k,
+                        grammar=None if req.grammar is None else req.grammar.fresh())
+        req.group.members.append(child)
+        self.requests[child.request_id] = child
+        return child
+
     def _check_stop(self, req: Request) -> None:
         p, tok = req.params, req.output_token_ids[-1]
-        if (not p.ignore_eos and tok in self.eos_token_ids) or tok in p.stop_token_ids:
+        if req.grammar is not None and req.grammar.terminated:
+            req.stop_reason = tok
+            self.scheduler.finish(req, "stop")
+        elif (not p.ignore_eos and tok in self.eos_token_ids) or tok in p.stop_token_ids:
             req.stop_reason = tok
             self.scheduler.finish(req, "stop")
         elif p.stop and (hit := self._stop_string(req)) is not None:
@@ -175,7 +272,7 @@ class LLMEngine:
         return text
 
     def make_output(self, req: Request) -> RequestOutput:
-        cached = req.num_cached_tokens or 0
+        cached, p = req.num_cached_tokens or 0, req.params
         return RequestOutput(
             request_id=req.request_id,
             prompt_token_ids=req.prompt_token_ids,
@@ -191,12 +288,24 @@ class LLMEngine:
             ttft=None if req.first_token_time is None else req.first_token_time - req.arrival_time,
             latency=None if req.finish_time is None else req.finish_time - req.arrival_time,
             num_replayed_tokens=req.num_replayed_tokens,
+            index=req.sample_index,
+            cumulative_logprob=req.cumulative_logprob
+            if p.logprobs is not None or p.num_samples > p.n else None,
         )
 
+    def group_outputs(self, req: Request) -> list[RequestOutput]:
+        """The outputs a request returns: itself, or its ``n`` chosen samples (index 0..n-1)."""
+        if req.group is None:
+            return [self.make_output(req)]
+        return [dataclasses.replace(self.make_output(m), index=j)
+                for j, m in enumerate(req.group.chosen())]
+
     def run_to_completion(self, reqs: list[Request]) -> list[RequestOutput]:
-        while any(not r.is_finished for r in reqs):
+        """Step until every request (and every sample of it) is done; its outputs in order."""
+        while any(not r.is_finished or (r.group is not None and not r.group.is_finished)
+                  for r in reqs):
             self.step()
-        return [self.make_output(r) for r in reqs]
+        return [o for r in reqs for o in self.group_outputs(r)]
 
     def stats(self) -> dict:
         """Counters and gauges (the server exports every number; dicts by tier as labels).
@@ -208,6 +317,7 @@ class LLMEngine:
         out = {
             "prefix_cache_queries": s.query_tokens,
             "prefix_cache_hits": s.hit_tokens,
+            "computed_prompt_tokens": s.computed_prompt_tokens,
             "evicted_pages": s.evicted_pages,
             "preemptions": s.preemptions,
             "free_pages": self.kv.num_free_pages,

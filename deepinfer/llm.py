@@ -27,7 +27,8 @@ class LLM:
     def generate(self, prompts: str | list[int] | Sequence[str | list[int]],
                  sampling_params: SamplingParams | None = None,
                  cache_salt: str | None = None) -> list[RequestOutput]:
-        """Generate for one prompt or a batch (text or token ids); outputs in input order."""
+        """Generate for one prompt or a batch (text or token ids); outputs in input order,
+        the ``n`` samples of each prompt one after the other (``RequestOutput.index``)."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts
                                         and isinstance(prompts[0], int)):
             prompts = [prompts]

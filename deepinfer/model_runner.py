@@ -14,6 +14,7 @@ from tqdm import tqdm
 from .config import EngineConfig
 from .forward_batch import ForwardBatch, PrefillSegment
 from .kv.build import build_device_kv
+from .layers.logits_processors import apply_logit_bias, apply_penalties
 from .layers.rotary import RotaryEmbedding
 from .layers.sampler import SampleResult, sample
 from .loader.quantized import dequantized
@@ -110,15 +111,37 @@ class ModelRunner:
         return batch, sampled
 
     @torch.inference_mode()
-    def execute(self, items: list[tuple[Request, int]]) -> tuple[list[Request], SampleResult | None]:
-        """Run one step; returns the requests that produced a token and the samples."""
+    def forward(self, items: list[tuple[Request, int]]) -> tuple[list[Request], torch.Tensor | None]:
+        """Run one step; returns the requests that produce a token and their logits rows."""
         batch, sampled = self.prepare(items)
         hidden = self.model(batch, self.kv_buffers)
         if not sampled:
             return sampled, None
-        logits = self.model.compute_logits(hidden[batch.logits_indices])
-        gens = [self._request_generator(r) for r in sampled]
-        return sampled, sample(logits, [r.params for r in sampled], gens)
+        return sampled, self.model.compute_logits(hidden[batch.logits_indices])
+
+    @torch.inference_mode()
+    def sample(self, reqs: list[Request], logits: torch.Tensor) -> SampleResult:
+        """One token per row: logit bias, penalties and grammar masks (only on the rows that
+        ask for them), then the sampler."""
+        logits = logits.float()
+        biased = [i for i, r in enumerate(reqs) if r.params.logit_bias]
+        if biased:
+            apply_logit_bias(logits, biased, [reqs[i].params for i in biased])
+        penalized = [i for i, r in enumerate(reqs) if r.params.penalized]
+        if penalized:
+            apply_penalties(logits, penalized, [reqs[i].params for i in penalized],
+                            [reqs[i].prompt_token_ids for i in penalized],
+                            [reqs[i].output_token_ids for i in penalized])
+        constrained = [i for i, r in enumerate(reqs) if r.grammar is not None]
+        if constrained:
+            from .structured.grammar import apply_masks  # llguidance loads on first use
+
+            apply_masks(logits, constrained, [reqs[i].grammar for i in constrained])
+        gens = [self._request_generator(r) for r in reqs]
+        return sample(logits, [r.params for r in reqs], gens)
+
+    def copy_pages(self, pairs: list[tuple[int, int]]) -> None:
+        self.pool.copy_pages(pairs)
 
     @torch.inference_mode()
     def prompt_logits(self, items: list[tuple[Request, int]]) -> torch.Tensor:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -12,6 +13,9 @@ from .kv.radix import Node
 from .kv.tiers.backend import LoadJob
 from .kv.window.rings import RingState
 from .sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from .structured.grammar import GrammarState
 
 
 class Status(enum.Enum):
@@ -52,6 +56,10 @@ class Request:
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     generator: torch.Generator | None = None
+    grammar: GrammarState | None = None  # where the output is in its structured-output grammar
+    cumulative_logprob: float = 0.0  # of the sampled tokens (best_of ranks samples by it)
+    group: SampleGroup | None = None  # the n/best_of samples this sequence is one of
+    sample_index: int = 0  # its place in ``group`` (0: the request that ran the prefill)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -72,3 +80,31 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is Status.FINISHED
+
+    @property
+    def awaiting_fork(self) -> bool:
+        """Its prompt is about to give its first logits, which all its samples share."""
+        return (self.params.num_samples > 1 and self.group is None
+                and self.num_computed_tokens >= self.num_prompt_tokens)
+
+
+@dataclass(eq=False)
+class SampleGroup:
+    """The sequences of one request with ``n``/``best_of`` > 1. They fork from the request
+    once its prompt is prefilled, sharing its KV pages (see ``KVCacheManager.fork``)."""
+
+    request_id: str
+    members: list[Request]
+
+    @property
+    def is_finished(self) -> bool:
+        return all(m.is_finished for m in self.members)
+
+    def chosen(self) -> list[Request]:
+        """The ``n`` samples to return: all of them, or the ``n`` of highest cumulative
+        log-probability among ``best_of`` (ties keep sample order)."""
+        n = self.members[0].params.n
+        if len(self.members) == n:
+            return list(self.members)
+        ranked = sorted(self.members, key=lambda m: -m.cumulative_logprob)
+        return ranked[:n]

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .errors import RequestError
+from .structured.spec import StructuredOutput
 
 
 @dataclass
@@ -19,6 +20,13 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; 0: the sampled token's; k: plus top-k alternatives
+    presence_penalty: float = 0.0  # subtracted once from every token already in the output
+    frequency_penalty: float = 0.0  # subtracted per occurrence in the output
+    repetition_penalty: float = 1.0  # divides (multiplies if < 0) logits of prompt+output tokens
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    n: int = 1  # samples returned; they share the prompt's KV (one prefill)
+    best_of: int | None = None  # samples drawn (>= n); the n of highest cumulative logprob return
+    structured_output: StructuredOutput | None = None  # grammar the output must follow
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -42,6 +50,23 @@ class SamplingParams:
             ("logprobs", self.logprobs is None or (isinstance(self.logprobs, int)
                                                    and 0 <= self.logprobs <= 20),
              "must be an integer in [0, 20]"),
+            ("presence_penalty", _num(self.presence_penalty)
+             and -2.0 <= self.presence_penalty <= 2.0, "must be in [-2, 2]"),
+            ("frequency_penalty", _num(self.frequency_penalty)
+             and -2.0 <= self.frequency_penalty <= 2.0, "must be in [-2, 2]"),
+            ("repetition_penalty", _num(self.repetition_penalty)
+             and 0.0 < self.repetition_penalty <= 2.0, "must be in (0, 2]"),
+            ("logit_bias", isinstance(self.logit_bias, dict) and all(
+                isinstance(t, int) and t >= 0 and _num(b) and -100.0 <= b <= 100.0
+                for t, b in self.logit_bias.items()),
+             "must map non-negative token ids to biases in [-100, 100]"),
+            ("n", isinstance(self.n, int) and self.n >= 1, "must be an integer >= 1"),
+            ("best_of", self.best_of is None or (isinstance(self.best_of, int)
+                                                 and self.best_of >= self.n),
+             "must be an integer >= n"),
+            ("structured_output", self.structured_output is None
+             or isinstance(self.structured_output, StructuredOutput),
+             "must be a StructuredOutput"),
         ]
         for name, ok, msg in checks:
             if not ok:
@@ -50,6 +75,16 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def num_samples(self) -> int:
+        """Sequences this request decodes (``best_of``, else ``n``)."""
+        return self.best_of or self.n
+
+    @property
+    def penalized(self) -> bool:
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0)
 
 
 def _num(x: object) -> bool:

@@ -44,6 +44,15 @@ class Scheduler:
         self.waiting.append(req)
         self.kv.prefetch(req)  # loads from L2/L3 start now, overlapping with compute
 
+    def add_fork(self, req: Request, running: bool) -> None:
+        """A sample forked from a running request: running if it got its KV pages, else at
+        the head of the queue (it recomputes its prompt's tail from the cache)."""
+        if running:
+            req.status = Status.RUNNING
+            self.running.append(req)
+        else:
+            self.waiting.appendleft(req)
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -68,6 +77,10 @@ class Scheduler:
         w = 0
         while w < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[w]
+            # a request with n/best_of > 1 forks into that many sequences after its prefill
+            width = req.params.num_samples if req.group is None else 1
+            if len(self.running) + width > self.config.max_num_seqs:
+                break
             if self.kv.prefetch(req):  # its KV is still being loaded: schedule the next one
                 w += 1
                 continue

@@ -34,6 +34,7 @@ class CacheStats:
     hit_tokens: int = 0  # of which served from cache (vLLM's prefix_cache_hits)
     evicted_pages: int = 0  # pages evicted from L1
     preemptions: int = 0
+    computed_prompt_tokens: int = 0  # prompt tokens prefilled (recomputed ones included)
     hit_tokens_by_tier: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIER_NAMES, 0))
     loads: int = 0  # finished loads from L2/L3 applied to a request
     loaded_pages: int = 0
@@ -289,6 +290,24 @@ class KVCacheManager:
         req.num_tree_pages = full
         if self.tiers is not None:
             self.tiers.after_insert(m.path)
+
+    def fork(self, parent: Request, child: Request) -> list[tuple[int, int]] | None:
+        """Give ``child`` ``parent``'s KV: the tree's pages shared (one more lock on them),
+        the parent's own pages (the partial last page; every page without a prefix cache)
+        copied to new pages. Returns the (source, destination) page copies for the runner,
+        or None when the pool has no room (the child then recomputes from the cache)."""
+        shared, own = parent.num_tree_pages, parent.pages[parent.num_tree_pages :]
+        if not self.ensure_free(len(own)):
+            return None
+        new = self.allocator.alloc(len(own))
+        child.pages = parent.pages[:shared] + new
+        child.num_tree_pages = shared
+        child.locked_node = parent.locked_node
+        if self.tree is not None:
+            self.tree.lock(parent.locked_node)
+        child.page_hashes = list(parent.page_hashes)
+        child.num_computed_tokens = parent.num_computed_tokens
+        return list(zip(own, new))
 
     def release(self, req: Request) -> None:
         """Give back a finished, aborted or preempted request's pages (tree pages stay cached)."""

@@ -71,3 +71,13 @@ class PagePool:
         idx = torch.tensor(pages, device=self.owned_buffers()[0].device)
         for buf, d in zip(self.owned_buffers(), data):
             buf.index_copy_(0, idx, d.to(device=buf.device, dtype=buf.dtype))
+
+    def copy_pages(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy page ``src`` to page ``dst`` in every owned buffer, for each (src, dst)."""
+        if not pairs:
+            return
+        dev = self.owned_buffers()[0].device
+        src = torch.tensor([s for s, _ in pairs], device=dev)
+        dst = torch.tensor([d for _, d in pairs], device=dev)
+        for buf in self.owned_buffers():
+            buf.index_copy_(0, dst, buf[src])

@@ -32,7 +32,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
         for j, i in enumerate(random_rows):
             tokens[i] = torch.multinomial(probs[j], 1, generator=generators[i])[0]
     token_list = tokens.tolist()
-    if all(p.logprobs is None for p in params):
+    if all(p.logprobs is None and p.num_samples == p.n for p in params):  # best_of ranks by logprob
         return SampleResult(token_list, None, None)
     logp = torch.log_softmax(logits, dim=-1)
     chosen = logp.gather(1, tokens[:, None])[:, 0].tolist()

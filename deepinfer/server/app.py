@@ -161,10 +161,11 @@ class Server:
             watcher.cancel()
 
     @staticmethod
-    async def _next(q: asyncio.Queue) -> Delta | None:
-        """The next delta, merged with any others already queued; None once the client left."""
+    async def _next(q: asyncio.Queue, merge: bool = True) -> Delta | None:
+        """The next delta, merged with any others already queued (one choice only: deltas of
+        several interleave); None once the client left."""
         d = await q.get()
-        while d is not _DISCONNECTED and not d.final and not q.empty():
+        while merge and d is not _DISCONNECTED and not d.final and not q.empty():
             nxt = q.get_nowait()
             if nxt is _DISCONNECTED:
                 q.put_nowait(nxt)  # seen on the next call
@@ -174,41 +175,45 @@ class Server:
 
     async def _collect(self, sub: Submission, q: asyncio.Queue, headers: dict) -> Response:
         p, rid = sub.parsed, sub.request_id
-        text: list[str] = []
-        entries: list[dict] | None = [] if p.want_logprobs else None
+        n = p.params.n
+        text: list[list[str]] = [[] for _ in range(n)]
+        entries: list[list[dict] | None] = [[] if p.want_logprobs else None for _ in range(n)]
+        finish: list[str | None] = [None] * n
+        usage = None
         done = False
         try:
-            while True:
-                d = await self._next(q)
+            while usage is None:  # the last delta of the request carries its usage
+                d = await self._next(q, merge=n == 1)
                 if d is None:  # client gone: nobody reads the answer
                     return Response(status_code=499)
                 if d.error:
                     done = True
                     raise APIError(500, d.error, type="server_error")
-                text.append(d.text)
-                if entries is not None and d.logprobs:
-                    entries.extend(d.logprobs)
-                if d.final:
-                    done = True
-                    break
+                text[d.index].append(d.text)
+                if entries[d.index] is not None and d.logprobs:
+                    entries[d.index].extend(d.logprobs)
+                finish[d.index] = d.finish_reason or finish[d.index]
+                usage = d.usage
+            done = True
         finally:
             if not done:
                 self.async_engine.abort(rid)
-        body = self._response(p, rid, "".join(text), entries, d.finish_reason, d.usage.to_dict())
+        choices = [self._choice(p, i, "".join(text[i]), entries[i], finish[i]) for i in range(n)]
+        body = self._response(p, rid, choices, usage.to_dict())
         return JSONResponse(body, headers=headers)
 
-    def _response(self, p: ParsedRequest, rid: str, text: str, entries, finish: str,
-                  usage: dict) -> dict:
+    @staticmethod
+    def _choice(p: ParsedRequest, index: int, text: str, entries, finish: str | None) -> dict:
         if p.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": _chat_logprobs(entries), "finish_reason": finish}
-            obj = "chat.completion"
-        else:
-            choice = {"index": 0, "text": text,
-                      "logprobs": _completion_logprobs(entries, 0)[0], "finish_reason": finish}
-            obj = "text_completion"
+            return {"index": index, "message": {"role": "assistant", "content": text},
+                    "logprobs": _chat_logprobs(entries), "finish_reason": finish}
+        return {"index": index, "text": text, "logprobs": _completion_logprobs(entries, 0)[0],
+                "finish_reason": finish}
+
+    def _response(self, p: ParsedRequest, rid: str, choices: list[dict], usage: dict) -> dict:
+        obj = "chat.completion" if p.kind == "chat" else "text_completion"
         return {"id": rid, "object": obj, "created": int(time.time()), "model": self.model_name,
-                "choices": [choice], "usage": usage}
+                "choices": choices, "usage": usage}
 
     async def _stream(self, sub: Submission, q: asyncio.Queue,
                       watcher: asyncio.Task) -> AsyncIterator[str]:
@@ -217,26 +222,28 @@ class Server:
         created = int(time.time())
         head = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
                 "created": created, "model": self.model_name}
-        offset = 0
+        n = p.params.n
+        offsets = [0] * n  # per choice: completions' logprobs text_offset
         done = False
 
-        def chunk(text: str, entries, finish: str | None, role: bool = False) -> dict:
-            nonlocal offset
+        def chunk(text: str, entries, finish: str | None, index: int = 0,
+                  role: bool = False) -> dict:
             if chat:
                 delta = {"role": "assistant", "content": text} if role else (
                     {"content": text} if text or not finish else {})
-                choice = {"index": 0, "delta": delta, "logprobs": _chat_logprobs(entries),
+                choice = {"index": index, "delta": delta, "logprobs": _chat_logprobs(entries),
                           "finish_reason": finish}
             else:
-                lp, offset = _completion_logprobs(entries, offset)
-                choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}
+                lp, offsets[index] = _completion_logprobs(entries, offsets[index])
+                choice = {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
             return {**head, "choices": [choice]}
 
         try:
             if chat:
-                yield _sse(chunk("", None, None, role=True))
+                for i in range(n):
+                    yield _sse(chunk("", None, None, i, role=True))
             while True:
-                d = await self._next(q)
+                d = await self._next(q, merge=n == 1)
                 if d is None:
                     return
                 if d.error:
@@ -246,12 +253,12 @@ class Server:
                     yield "data: [DONE]\n\n"
                     return
                 entries = d.logprobs if p.want_logprobs else None
-                if not d.final:
-                    yield _sse(chunk(d.text, entries, None))
+                if d.usage is None:  # not the request's last delta
+                    yield _sse(chunk(d.text, entries, d.finish_reason, d.index))
                     continue
                 done = True
                 usage = d.usage.to_dict()
-                yield _sse({**chunk(d.text, entries, d.finish_reason), "usage": usage})
+                yield _sse({**chunk(d.text, entries, d.finish_reason, d.index), "usage": usage})
                 if p.include_usage:
                     yield _sse({**head, "choices": [], "usage": usage})
                 yield "data: [DONE]\n\n"

@@ -29,7 +29,7 @@ from ..engine import LLMEngine
 from ..errors import RequestError
 from ..kv.explain import explain_prefix
 from ..kv.radix import DEVICE
-from ..request import Request
+from ..request import Request, SampleGroup
 from .config import ServerConfig
 from .detokenize import TextStream
 from .metrics import ServerMetrics
@@ -72,6 +72,7 @@ class Delta:
     finish_reason: str | None = None
     usage: Usage | None = None
     error: str | None = None
+    index: int = 0  # the choice (sample) it belongs to, when the request has n > 1
 
     @property
     def final(self) -> bool:
@@ -100,6 +101,8 @@ class _Live:
     stream: TextStream
     prompt: BuiltPrompt
     num_sent_ids: int = 0
+    index: int = 0  # its sample's place among the request's n
+    samples_done: int = 0  # (the first sample's) samples whose end was published
 
 
 def _deliver(batch: list[tuple[asyncio.Queue, Delta]]) -> None:
@@ -112,7 +115,7 @@ def merge_deltas(a: Delta, b: Delta) -> Delta:
     lps = None if a.logprobs is None and b.logprobs is None else \
         (a.logprobs or []) + (b.logprobs or [])
     return Delta(a.text + b.text, a.token_ids + b.token_ids, lps, b.finish_reason, b.usage,
-                 b.error)
+                 b.error, a.index)
 
 
 class QueueFull(APIError):
@@ -133,6 +136,7 @@ class AsyncEngine:
         self.capacity = engine.config.max_num_seqs + self.config.max_queue
         self._cmds: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._live: dict[str, _Live] = {}
+        self._roots: dict[str, _Live] = {}  # requests with several samples, until all are done
         self._outbox: list[tuple[asyncio.Queue, Delta]] = []
         self._recent_pages: OrderedDict[bytes, None] = OrderedDict()
         self._salts: OrderedDict[str | None, None] = OrderedDict({None: None})
@@ -319,7 +323,8 @@ class AsyncEngine:
             req = eng.add_request(built.token_ids, params, sub.request_id, p.cache_salt)
         except RequestError as e:
             fut.set_exception(APIError.from_request_error(
-                e, {"prompt": p.prompt_field, "max_tokens": p.max_tokens_field}))
+                e, {"prompt": p.prompt_field, "max_tokens": p.max_tokens_field,
+                    "structured_output": p.structured_field}))
             return
         except APIError as e:
             fut.set_exception(e)
@@ -337,17 +342,24 @@ class AsyncEngine:
         m.history_rewrites += built.history_rewritten
         self._live[sub.request_id] = _Live(sub, req, q, TextStream(
             self.tokenizer, built.token_ids, params.stop), built)
+        if params.num_samples > 1:
+            self._roots[sub.request_id] = self._live[sub.request_id]
         fut.set_result(Admitted(sub.request_id, built, len(built.token_ids)))
 
     def _abort(self, request_id: str) -> None:
-        live = self._live.pop(request_id, None)
-        if live is None:
+        """Abort a request: every sample of it still running (the first may have ended)."""
+        root = self._roots.pop(request_id, None)
+        group = root.req.group if root is not None else None
+        lives = [self._live.pop(m.request_id, None) for m in group.members] if group else \
+            [self._live.pop(request_id, None)]
+        lives = [lv for lv in lives if lv is not None]
+        if not lives:
             return
-        req = live.req
-        computed = req.num_computed_tokens  # before abort() releases the request
-        self.engine.abort(request_id)
+        computed = [lv.req.num_computed_tokens for lv in lives]  # before abort() releases them
+        self.engine.abort(request_id)  # every sample of it
         self.metrics.aborted += 1
-        self._account(live, "abort", computed)
+        for lv, n in zip(lives, computed):
+            self._account(lv, "abort", n)
 
     def _fail_all(self, message: str) -> None:
         for rid, live in list(self._live.items()):
@@ -357,6 +369,7 @@ class AsyncEngine:
                 log.exception("abort after engine error failed")
             self._post(live, Delta(error=message))
         self._live.clear()
+        self._roots.clear()
 
     # ------------------------------------------------------------------ stepping
     def _step(self) -> None:
@@ -378,18 +391,29 @@ class AsyncEngine:
             return
         for req in sampled:
             live = self._live.get(req.request_id)
+            if live is None and req.group is not None and req.group.request_id in self._roots:
+                live = self._adopt(self._roots[req.group.request_id], req)
             if live is not None:
                 self._publish(live, req)
+
+    def _adopt(self, root: _Live, req: Request) -> _Live:
+        """The stream of a sample forked from ``root``'s request (same client queue)."""
+        live = _Live(root.sub, req, root.queue, TextStream(
+            self.tokenizer, root.prompt.token_ids, req.params.stop), root.prompt,
+            index=req.sample_index)
+        self._live[req.request_id] = live
+        return live
 
     def _publish(self, live: _Live, req: Request) -> None:
         start, end = live.num_sent_ids, len(req.output_token_ids)
         new = req.output_token_ids[start:end]
         live.num_sent_ids = end
         lps = self._logprobs(req, start, end) if live.sub.parsed.want_logprobs else None
+        ranked = req.params.best_of is not None  # samples are sent once the best are known
         if not req.is_finished:
             text = live.stream.push(new)
-            if text or lps:
-                self._post(live, Delta(text, new, lps))
+            if (text or lps) and not ranked:
+                self._post(live, Delta(text, new, lps, index=live.index))
             return
         # The final text is authoritative (cut before a stop string): send what is missing.
         out = self.engine.make_output(req)
@@ -399,7 +423,39 @@ class AsyncEngine:
         if live.sub.parsed.kind == "chat" and live.prompt.key_state is not None:
             self.builder.remember(live.prompt.key_state, req.prompt_token_ids,
                                   list(req.output_token_ids), out.text)
-        self._post(live, Delta(text, new, lps, req.finish_reason, usage))
+        final = Delta(text, new, lps, req.finish_reason, usage if req.group is None else None,
+                      index=live.index)
+        if req.group is None:
+            self._post(live, final)
+            return
+        root = self._roots[req.group.request_id]
+        root.samples_done += 1
+        if root.samples_done < len(req.group.members):
+            if not ranked:
+                self._post(live, final)
+            return
+        del self._roots[req.group.request_id]
+        for d in self._group_end(root, req.group, final, ranked):
+            self._post(root, d)
+
+    def _group_end(self, root: _Live, group: SampleGroup, final: Delta,
+                   ranked: bool) -> list[Delta]:
+        """The last deltas of a request with several samples: the last sample's end, or with
+        best_of the chosen samples whole; the last carries the request's usage (the prompt
+        once, the returned samples' tokens)."""
+        chosen = group.chosen()
+        out = [final]
+        if ranked:
+            want = root.sub.parsed.want_logprobs
+            out = [Delta(self.engine.output_text(m), list(m.output_token_ids),
+                         self._logprobs(m, 0, len(m.output_token_ids)) if want else None,
+                         m.finish_reason, index=j) for j, m in enumerate(chosen)]
+        first = group.members[0]
+        out[-1].usage = Usage(first.num_prompt_tokens,
+                              sum(len(m.output_token_ids) for m in chosen),
+                              min(first.num_cached_tokens or 0, first.num_prompt_tokens),
+                              {k: v for k, v in first.cached_tokens_by_tier.items() if v})
+        return out
 
     def _account(self, live: _Live, reason: str, computed_tokens: int) -> Usage:
         """Usage of an ended request, and the server's counters."""
@@ -409,7 +465,7 @@ class AsyncEngine:
         usage = Usage(n_prompt, len(req.output_token_ids), hit,
                       {k: v for k, v in req.cached_tokens_by_tier.items() if v})
         m.finished[reason] = m.finished.get(reason, 0) + 1
-        m.prompt_tokens += n_prompt
+        m.prompt_tokens += n_prompt if req.sample_index == 0 else 0  # samples share the prompt
         m.generation_tokens += usage.completion_tokens
         for t, v in req.cached_tokens_by_tier.items():
             m.cached_by_tier[t] = m.cached_by_tier.get(t, 0) + v

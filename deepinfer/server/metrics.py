@@ -35,6 +35,8 @@ ENGINE_FIELDS = {
                              "Prompt tokens looked up in the prefix cache."),
     "prefix_cache_hits": ("prefix_cache_hits_total", "counter",
                           "Prompt tokens served from the prefix cache (any tier)."),
+    "computed_prompt_tokens": ("prompt_tokens_computed_total", "counter",
+                               "Prompt tokens prefilled (the samples of n > 1 share one prefill)."),
     "evicted_pages": ("kv_evicted_pages_total", "counter", "KV pages evicted from the device."),
     "preemptions": ("num_preemptions_total", "counter", "Requests preempted for lack of pages."),
     "free_pages": ("kv_free_pages", "gauge", "Device KV pages neither in use nor cached."),

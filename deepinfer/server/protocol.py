@@ -6,9 +6,8 @@ the offending field, OpenAI style::
     {"error": {"message": "max_tokens: must be an integer >= 1, got -3",
                "type": "invalid_request_error", "param": "max_tokens", "code": null}}
 
-Unknown fields are ignored, as vLLM does. Fields we cannot honour (``n`` > 1, penalties,
-``logit_bias``, tools, JSON mode, ``echo``, ``suffix``, ``best_of`` > 1) are rejected with 400
-rather than silently ignored.
+Unknown fields are ignored, as vLLM does. Fields we cannot honour (tools, ``echo``,
+``suffix``) are rejected with 400 rather than silently ignored.
 """
 
 from __future__ import annotations
@@ -19,6 +18,7 @@ from typing import Any
 
 from ..errors import RequestError
 from ..sampling_params import SamplingParams
+from ..structured.spec import StructuredOutput
 
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (chat: the rest)
@@ -138,18 +138,6 @@ def get_stop(body: dict) -> list[str]:
 
 
 def _reject_unsupported(body: dict, chat: bool) -> None:
-    for name in ("presence_penalty", "frequency_penalty"):
-        v = get_num(body, name, 0.0, -2.0, 2.0)
-        if v:
-            raise bad(name, "is not supported (only 0)")
-    if body.get("repetition_penalty") not in (None, 1, 1.0):
-        raise bad("repetition_penalty", "is not supported (only 1)")
-    if body.get("logit_bias"):
-        raise bad("logit_bias", "is not supported")
-    rf = body.get("response_format")
-    if rf is not None:
-        if not isinstance(rf, dict) or rf.get("type") not in ("text", None):
-            raise bad("response_format", "only {\"type\": \"text\"} is supported")
     if chat:
         if body.get("tools"):
             raise bad("tools", "tool calling is not supported")
@@ -160,8 +148,53 @@ def _reject_unsupported(body: dict, chat: bool) -> None:
             raise bad("echo", "is not supported")
         if body.get("suffix") not in (None, ""):
             raise bad("suffix", "is not supported")
-        if get_int(body, "best_of", 1, lo=1) != 1:
-            raise bad("best_of", "only best_of=1 is supported")
+
+
+def get_logit_bias(body: dict) -> dict[int, float]:
+    """OpenAI's ``logit_bias``: {"token id as a string": bias in [-100, 100]}."""
+    v = body.get("logit_bias")
+    if v is None:
+        return {}
+    if not isinstance(v, dict):
+        raise bad("logit_bias", "must be an object mapping token ids to biases")
+    out: dict[int, float] = {}
+    for k, b in v.items():
+        if not (isinstance(k, str) and k.isdigit()):
+            raise bad("logit_bias", f"keys must be token ids (non-negative integers), got {k!r}")
+        if not _is_num(b) or not -100 <= b <= 100:
+            raise bad("logit_bias", f"biases must be numbers in [-100, 100], got {json.dumps(b)}")
+        out[int(k)] = float(b)
+    return out
+
+
+def get_response_format(body: dict) -> StructuredOutput | None:
+    """``response_format``: text (no constraint), json_object, or json_schema (strict or not:
+    the schema is enforced either way)."""
+    rf = body.get("response_format")
+    if rf is None:
+        return None
+    if not isinstance(rf, dict) or not isinstance(rf.get("type"), str):
+        raise bad("response_format", "must be an object with a 'type'")
+    kind = rf["type"]
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutput.json_object()
+    if kind != "json_schema":
+        raise bad("response_format", f"type must be text, json_object or json_schema, "
+                                     f"got {json.dumps(kind)}")
+    js = rf.get("json_schema")
+    if not isinstance(js, dict):
+        raise bad("response_format.json_schema", "must be an object with a 'schema'")
+    schema = js.get("schema")
+    if not isinstance(schema, dict):
+        raise bad("response_format.json_schema.schema", "must be a JSON schema object")
+    if js.get("strict") is not None and not isinstance(js["strict"], bool):
+        raise bad("response_format.json_schema.strict", "must be a boolean")
+    try:
+        return StructuredOutput.json_schema(schema)
+    except RequestError as e:
+        raise bad("response_format.json_schema.schema", e.message) from None
 
 
 # ---------------------------------------------------------------------- messages
@@ -211,6 +244,7 @@ class ParsedRequest:
     prompt: str | list[int] | None = None
     stream: bool = False
     include_usage: bool = False
+    structured_field: str = "response_format"  # the request field its constraint came from
     cache_salt: str | None = None
     user: str | None = None
     want_logprobs: bool = False  # chat: logprobs=true; completion: logprobs=k given
@@ -250,8 +284,9 @@ def parse_request(body: dict, kind: str) -> ParsedRequest:
         messages = None
         prompt = parse_prompt(body.get("prompt"))
     n = get_int(body, "n", 1, lo=1)
-    if n != 1:
-        raise bad("n", f"only n=1 is supported, got {n}")
+    best_of = None if chat else get_int(body, "best_of", None, lo=1)
+    if best_of is not None and best_of < n:
+        raise bad("best_of", f"must be >= n ({n}), got {best_of}")
     _reject_unsupported(body, chat)
 
     max_tokens = get_int(body, "max_tokens")
@@ -287,13 +322,24 @@ def parse_request(body: dict, kind: str) -> ParsedRequest:
         stop_token_ids=list(stop_ids),
         ignore_eos=get_bool(body, "ignore_eos"),
         logprobs=logprobs,
+        presence_penalty=get_num(body, "presence_penalty", 0.0, -2.0, 2.0),
+        frequency_penalty=get_num(body, "frequency_penalty", 0.0, -2.0, 2.0),
+        repetition_penalty=get_num(body, "repetition_penalty", 1.0),
+        logit_bias=get_logit_bias(body),
+        n=n,
+        best_of=best_of if best_of is not None and best_of > n else None,
+        structured_output=get_response_format(body),
     )
     try:
         params = SamplingParams(**params_kw)
     except RequestError as e:
         raise APIError.from_request_error(e, {"max_tokens": mt_field, "logprobs": (
-            "top_logprobs" if chat else "logprobs")}) from None
+            "top_logprobs" if chat else "logprobs"), "structured_output": "response_format"}
+        ) from None
     stream = get_bool(body, "stream")
+    if stream and params.best_of is not None:
+        raise bad("best_of", "cannot be combined with stream (the best samples are known only "
+                             "at the end)")
     so = body.get("stream_options")
     include_usage = False
     if so is not None:
