@@ -3,12 +3,19 @@
 Holds the tokenizer, the scheduler, the KV cache manager and the model runner, and applies
 stop conditions. It is synchronous and single-threaded; the server drives it from its own
 thread, the offline API from a loop.
+
+Fault isolation: ``add_request`` checks every value against the ranges the step can use
+(``limits.py``), and an exception in one request's own work (scheduling, hashing, sampling,
+stop checks, caching its pages) ends that request alone with finish reason ``error``. A
+batch whose forward pass raises is run again once, one request at a time, so only the
+request that caused it fails; the others get the tokens they would have got.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -20,7 +27,10 @@ from .errors import RequestError
 from .kv.build import build_cache_manager, build_tiers
 from .kv.layout import describe
 from .kv.radix import DEVICE, TIER_NAMES
+from .layers.sampler import SampleResult
+from .limits import SEED_MAX, check_text, is_int
 from .loader import load_checkpoint
+from .log_limit import RateLimitedLog
 from .model_runner import ModelRunner
 from .request import Request, SampleGroup
 from .sampling_params import SamplingParams
@@ -30,6 +40,8 @@ if TYPE_CHECKING:
     from .structured.grammar import GrammarCompiler
 
 MAX_DEFAULT_LEN = 8192
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -52,6 +64,7 @@ class RequestOutput:
     num_replayed_tokens: int = 0
     index: int = 0  # which of the request's ``n`` samples (ranked by best_of when it is set)
     cumulative_logprob: float | None = None  # of the sampled tokens (with logprobs or best_of)
+    error: str | None = None  # finish reason "error": what failed this request alone
 
 
 class LLMEngine:
@@ -80,6 +93,8 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.kv)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
+        self.failed_requests = 0  # requests ended by an exception in their own work
+        self._errors = RateLimitedLog(log)
         self._grammars: GrammarCompiler | None = None  # built on the first constrained request
 
     def shutdown(self, timeout: float | None = 60.0) -> bool:
@@ -99,21 +114,23 @@ class LLMEngine:
                     request_id: str | None = None, cache_salt: str | None = None) -> Request:
         """Validate and queue a request; raises RequestError (naming the field) on bad input."""
         params.validate()
+        if isinstance(prompt, str):
+            check_text("prompt", prompt)
         ids = self.tokenize(prompt)
-        if not ids:
-            raise RequestError("prompt", "must not be empty")
+        self.validate_prompt(ids)
         vocab = self.hf_config.vocab_size
-        if any(not isinstance(t, int) or t < 0 or t >= vocab for t in ids):
-            raise RequestError("prompt", f"token ids must be integers in [0, {vocab})")
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise RequestError("stop_token_ids", f"token ids must be in [0, {vocab})")
         if len(ids) + params.max_tokens > self.max_model_len:
             raise RequestError(
                 "max_tokens" if len(ids) < self.max_model_len else "prompt",
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
                 f"model's context length of {self.max_model_len} tokens")
-        if cache_salt is not None and not isinstance(cache_salt, str):
-            raise RequestError("cache_salt", "must be a string")
+        if cache_salt is not None:
+            check_text("cache_salt", cache_salt)
         self._check_sampling(params)
-        rid = request_id or f"req-{next(self._ids)}"
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        check_text("request_id", rid, nonempty=True)
         if rid in self.requests:
             raise RequestError("request_id", f"{rid!r} is already in use")
         req = Request(rid, ids, params, cache_salt=cache_salt)
@@ -121,8 +138,21 @@ class LLMEngine:
             compiler = self.grammar_compiler()
             req.grammar = compiler.matcher(compiler.compile(params.structured_output))
         self.requests[rid] = req
-        self.scheduler.add(req)
+        try:
+            self.scheduler.add(req)
+        except Exception:
+            del self.requests[rid]
+            self.failed_requests += 1
+            raise
         return req
+
+    def validate_prompt(self, ids: list[int]) -> None:
+        """Raise RequestError("prompt") unless ``ids`` are token ids the model can embed."""
+        if not ids:
+            raise RequestError("prompt", "must not be empty")
+        vocab = self.hf_config.vocab_size
+        if not all(is_int(t) and 0 <= t < vocab for t in ids):
+            raise RequestError("prompt", f"token ids must be integers in [0, {vocab})")
 
     def _check_sampling(self, params: SamplingParams) -> None:
         vocab = self.hf_config.vocab_size
@@ -164,42 +194,97 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ stepping
     def step(self) -> list[Request]:
-        """Run one batch; returns requests that got a token (finished ones included)."""
+        """Run one batch; returns the requests that got a token or ended (finished ones, and
+        failed ones: finish reason ``error``, ``req.error`` says why)."""
         self.kv.poll()
         batch = self.scheduler.schedule()
-        if not batch.items:
-            if self.scheduler.waiting and self.kv.loads_in_flight():
-                self.kv.wait_for_loads(0.05)  # only loading requests are left: no busy loop
+        out: list[Request] = []
+        if batch.items:
+            for items, sampled, logits in self._forward(batch.items):
+                out += self._advance(items, sampled, logits)
+        elif self.scheduler.waiting and self.kv.loads_in_flight():
+            self.kv.wait_for_loads(0.05)  # only loading requests are left: no busy loop
+        return out + self._take_failed()
+
+    def _forward(self, items: list[tuple[Request, int]]
+                 ) -> list[tuple[list[tuple[Request, int]], list[Request], torch.Tensor | None]]:
+        """Run the batch. If it raises as a whole, run each request alone once, so only the
+        one that caused it fails (rewriting a page slot with the same KV is harmless)."""
+        try:
+            return [(items, *self.runner.forward(items))]
+        except Exception as e:  # noqa: BLE001
+            if len(items) == 1:
+                self.scheduler.fail(items[0][0], e)
+                return []
+            self._errors.error("batch", "a batch of %d requests failed (%s: %s); running each "
+                               "alone", len(items), type(e).__name__, e)
+        parts = []
+        for item in items:
+            try:
+                parts.append(([item], *self.runner.forward([item])))
+            except Exception as e:  # noqa: BLE001
+                self.scheduler.fail(item[0], e)
+        return parts
+
+    def _advance(self, items: list[tuple[Request, int]], sampled: list[Request],
+                 logits: torch.Tensor | None) -> list[Request]:
+        """Apply a forward pass to its requests: cache their pages, sample, check stops. An
+        exception in one request's part fails that request alone."""
+        for req, n in items:
+            try:
+                self.kv.stats.computed_prompt_tokens += max(
+                    0, min(n, req.num_prompt_tokens - req.num_computed_tokens))
+                req.num_computed_tokens += n
+                self.kv.cache_pages(req)
+            except Exception as e:  # noqa: BLE001
+                self.scheduler.fail(req, e)
+        rows = [i for i, r in enumerate(sampled) if not r.is_finished]
+        if not rows:
             return []
-        sampled, logits = self.runner.forward(batch.items)
-        for req, n in batch.items:
-            self.kv.stats.computed_prompt_tokens += max(
-                0, min(n, req.num_prompt_tokens - req.num_computed_tokens))
-            req.num_computed_tokens += n
-            self.kv.cache_pages(req)
-        if not sampled:
-            return sampled
-        if any(r.awaiting_fork for r in sampled):
-            sampled, rows = self._fork(sampled)
+        if len(rows) < len(sampled):
+            sampled = [sampled[i] for i in rows]
             logits = logits[torch.tensor(rows, device=logits.device)]
-        result = self.runner.sample(sampled, logits)
+        if any(r.awaiting_fork for r in sampled):
+            sampled, fork_rows = self._fork(sampled)
+            logits = logits[torch.tensor(fork_rows, device=logits.device)]
+        sampled, result, failed = self.runner.sample(sampled, logits)
+        for req, e in failed:
+            self.scheduler.fail(req, e)
         now = time.monotonic()
         for i, req in enumerate(sampled):
-            tok = result.tokens[i]
-            req.output_token_ids.append(tok)
-            if result.logprobs is not None:
-                req.logprobs.append(result.logprobs[i])
-                req.top_logprobs.append(result.top_logprobs[i])
-                req.cumulative_logprob += result.logprobs[i]
-            if req.grammar is not None and not req.grammar.accept(tok):
-                raise RuntimeError(f"{req.request_id}: sampled token {tok} is outside its grammar")
-            if req.first_token_time is None:
-                req.first_token_time = now
-            self._check_stop(req)
+            try:
+                self._append(req, i, result, now)
+            except Exception as e:  # noqa: BLE001
+                self.scheduler.fail(req, e)
+                continue
             if req.is_finished:
                 req.finish_time = now
                 self.requests.pop(req.request_id, None)
-        return sampled
+        return [r for r in sampled if r.finish_reason != "error"]
+
+    def _append(self, req: Request, i: int, result: SampleResult, now: float) -> None:
+        tok = result.tokens[i]
+        req.output_token_ids.append(tok)
+        lp = None if result.logprobs is None else result.logprobs[i]
+        if lp is not None:
+            req.logprobs.append(lp)
+            req.top_logprobs.append(result.top_logprobs[i])
+            req.cumulative_logprob += lp
+        if req.grammar is not None and not req.grammar.accept(tok):
+            raise RuntimeError(f"{req.request_id}: sampled token {tok} is outside its grammar")
+        if req.first_token_time is None:
+            req.first_token_time = now
+        self._check_stop(req)
+
+    def _take_failed(self) -> list[Request]:
+        failed = self.scheduler.take_failed()
+        now = time.monotonic()
+        for req in failed:
+            req.finish_time = now
+            self.requests.pop(req.request_id, None)
+            self.failed_requests += 1
+            self._errors.error("request", "request %s failed alone: %s", req.request_id, req.error)
+        return failed
 
     def _fork(self, sampled: list[Request]) -> tuple[list[Request], list[int]]:
         """Fork each request whose prompt just finished into its ``num_samples`` sequences.
@@ -228,7 +313,8 @@ class LLMEngine:
 
     def _child(self, req: Request, k: int) -> Request:
         p = req.params
-        params = p if p.seed is None else dataclasses.replace(p, seed=p.seed + k)
+        # (modulo the seed range, as torch reads seeds: a valid seed + k stays valid)
+        params = p if p.seed is None else dataclasses.replace(p, seed=(p.seed + k) % (SEED_MAX + 1))
         child = Request(f"{req.request_id}#{k}", req.prompt_token_ids, params,
                         cache_salt=req.cache_salt, arrival_time=req.arrival_time,
                         # its whole prompt came from the shared prefill
@@ -291,6 +377,7 @@ class LLMEngine:
             index=req.sample_index,
             cumulative_logprob=req.cumulative_logprob
             if p.logprobs is not None or p.num_samples > p.n else None,
+            error=req.error,
         )
 
     def group_outputs(self, req: Request) -> list[RequestOutput]:
@@ -322,6 +409,7 @@ class LLMEngine:
             "preemptions": s.preemptions,
             "free_pages": self.kv.num_free_pages,
             "total_pages": self.runner.pool.allocator.num_pages,
+            "failed_requests_total": self.failed_requests,
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
             "cache_hit_tokens_by_tier": dict(s.hit_tokens_by_tier),
@@ -347,6 +435,7 @@ class LLMEngine:
             "cache_checksum_failures_total": disk.get("checksum_failures", 0),
             "cache_corrupt_files_total": disk.get("corrupt_files", 0),
             "cache_foreign_files_total": disk.get("foreign_files", 0),
+            "cache_mismatched_files_total": disk.get("mismatched_files", 0),
             "cache_disk_misses_total": disk.get("misses", 0),
             "cache_disk_write_errors_total": b["disk_write_errors"],
             "cache_disk_writes_dropped_total": b["disk_writes_dropped"],
@@ -354,6 +443,15 @@ class LLMEngine:
             "cache_disk_files": disk.get("entries", 0),
             "cache_disk_bytes": disk.get("bytes", 0),
             "cache_stale_disk_records_total": t["stale_disk_records"],
+            # every L3 page not written, by cause (each also logged, rate-limited)
+            "cache_disk_write_losses_by_reason_total": {
+                "too_large": t["disk_skipped_too_large"] + disk.get("rejected", 0),
+                "no_room": t["disk_skipped_no_room"],
+                "queue_full": b["disk_writes_dropped"],
+                "no_space": disk.get("write_errors_no_space", 0),
+                "permission": disk.get("write_errors_permission", 0),
+                "other_error": disk.get("write_errors_other", 0)},
+            "cache_disk_stale_tmp_removed_total": disk.get("stale_tmp_removed", 0),
         })
         return out
 

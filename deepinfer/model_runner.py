@@ -120,10 +120,44 @@ class ModelRunner:
         return sampled, self.model.compute_logits(hidden[batch.logits_indices])
 
     @torch.inference_mode()
-    def sample(self, reqs: list[Request], logits: torch.Tensor) -> SampleResult:
-        """One token per row: logit bias, penalties and grammar masks (only on the rows that
-        ask for them), then the sampler."""
-        logits = logits.float()
+    def sample(self, reqs: list[Request], logits: torch.Tensor
+               ) -> tuple[list[Request], SampleResult | None, list[tuple[Request, Exception]]]:
+        """One token per row. Returns the requests that got one, their samples, and the
+        requests whose sampling raised: then the rows are sampled one at a time (generators
+        rewound first), so the others draw what they would have drawn anyway."""
+        gens: list[torch.Generator] = []  # state of every generator this step draws from
+        for r in reqs:
+            try:
+                g = self._request_generator(r)
+            except Exception:  # noqa: BLE001 - a bad seed: its row fails again below, alone
+                continue
+            if g is not None and all(g is not x for x in gens):
+                gens.append(g)
+        states = [g.get_state() for g in gens]
+        try:
+            return reqs, self._sample_rows(reqs, logits), []
+        except Exception:  # noqa: BLE001 - one request's parameters: find it row by row
+            if len(reqs) == 1:
+                raise
+        for g, st in zip(gens, states):
+            g.set_state(st)
+        ok: list[Request] = []
+        rows: list[SampleResult] = []
+        failed: list[tuple[Request, Exception]] = []
+        for i, r in enumerate(reqs):
+            try:
+                rows.append(self._sample_rows([r], logits[i : i + 1]))
+                ok.append(r)
+            except Exception as e:  # noqa: BLE001
+                failed.append((r, e))
+        return ok, SampleResult.concat(rows), failed
+
+    def _sample_rows(self, reqs: list[Request], logits: torch.Tensor) -> SampleResult:
+        """Logit bias, penalties and grammar masks (only on the rows that ask for them, on a
+        copy: ``logits`` stays as it was), then the sampler."""
+        edited = any(r.params.logit_bias or r.params.penalized or r.grammar is not None
+                     for r in reqs)
+        logits = logits.float().clone() if edited else logits.float()
         biased = [i for i, r in enumerate(reqs) if r.params.logit_bias]
         if biased:
             apply_logit_bias(logits, biased, [reqs[i].params for i in biased])

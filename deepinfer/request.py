@@ -33,7 +33,8 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    error: str | None = None  # finish reason "error": the exception that ended this request alone
     stop_reason: int | str | None = None
     # KV state
     pages: list[int] = field(default_factory=list)  # L1 page table

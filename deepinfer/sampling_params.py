@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .errors import RequestError
+from .limits import (INT64_MAX, MAX_TEMPERATURE, MIN_TEMPERATURE, MIN_TOP_P, SEED_MAX, SEED_MIN,
+                     encodable, is_finite_number, is_int)
 from .structured.spec import StructuredOutput
 
 
@@ -34,34 +36,44 @@ class SamplingParams:
         self.validate()
 
     def validate(self) -> None:
-        """Raise RequestError naming the bad field, so the server can answer 400 with it."""
+        """Raise RequestError naming the bad field, so the server can answer 400 with it.
+
+        Ranges are those the sampler can use (``deepinfer/limits.py``): a value that passed
+        here never fails a step."""
+        t = self.temperature
         checks = [
-            ("max_tokens", isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+            ("max_tokens", is_int(self.max_tokens) and 1 <= self.max_tokens <= INT64_MAX,
              "must be an integer >= 1"),
-            ("temperature", _num(self.temperature) and 0.0 <= self.temperature <= 100.0,
-             "must be in [0, 100]"),
-            ("top_p", _num(self.top_p) and 0.0 < self.top_p <= 1.0, "must be in (0, 1]"),
-            ("top_k", isinstance(self.top_k, int) and self.top_k >= -1, "must be -1, 0 or positive"),
-            ("min_p", _num(self.min_p) and 0.0 <= self.min_p <= 1.0, "must be in [0, 1]"),
-            ("seed", self.seed is None or isinstance(self.seed, int), "must be an integer"),
-            ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
-            ("stop_token_ids", all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+            ("temperature", is_finite_number(t) and (t == 0 or MIN_TEMPERATURE <= t <= MAX_TEMPERATURE),
+             f"must be 0 (greedy) or in [{MIN_TEMPERATURE:g}, {MAX_TEMPERATURE:g}]"),
+            ("top_p", is_finite_number(self.top_p) and MIN_TOP_P <= self.top_p <= 1.0,
+             f"must be in [{MIN_TOP_P:g}, 1]"),
+            ("top_k", is_int(self.top_k) and -1 <= self.top_k <= INT64_MAX,
+             "must be -1, 0 or a positive 64-bit integer"),
+            ("min_p", is_finite_number(self.min_p) and 0.0 <= self.min_p <= 1.0, "must be in [0, 1]"),
+            ("seed", self.seed is None or (is_int(self.seed) and SEED_MIN <= self.seed <= SEED_MAX),
+             "must be an integer in [-2**63, 2**64 - 1]"),
+            ("stop", isinstance(self.stop, list)
+             and all(isinstance(s, str) and s and encodable(s) for s in self.stop),
+             "must be non-empty strings of valid Unicode text"),
+            ("stop_token_ids", isinstance(self.stop_token_ids, list)
+             and all(is_int(t) and 0 <= t <= INT64_MAX for t in self.stop_token_ids),
              "must be non-negative integers"),
-            ("logprobs", self.logprobs is None or (isinstance(self.logprobs, int)
-                                                   and 0 <= self.logprobs <= 20),
+            ("ignore_eos", isinstance(self.ignore_eos, bool), "must be a boolean"),
+            ("logprobs", self.logprobs is None or (is_int(self.logprobs) and 0 <= self.logprobs <= 20),
              "must be an integer in [0, 20]"),
-            ("presence_penalty", _num(self.presence_penalty)
+            ("presence_penalty", is_finite_number(self.presence_penalty)
              and -2.0 <= self.presence_penalty <= 2.0, "must be in [-2, 2]"),
-            ("frequency_penalty", _num(self.frequency_penalty)
+            ("frequency_penalty", is_finite_number(self.frequency_penalty)
              and -2.0 <= self.frequency_penalty <= 2.0, "must be in [-2, 2]"),
-            ("repetition_penalty", _num(self.repetition_penalty)
+            ("repetition_penalty", is_finite_number(self.repetition_penalty)
              and 0.0 < self.repetition_penalty <= 2.0, "must be in (0, 2]"),
             ("logit_bias", isinstance(self.logit_bias, dict) and all(
-                isinstance(t, int) and t >= 0 and _num(b) and -100.0 <= b <= 100.0
+                is_int(t) and 0 <= t <= INT64_MAX and is_finite_number(b) and -100.0 <= b <= 100.0
                 for t, b in self.logit_bias.items()),
              "must map non-negative token ids to biases in [-100, 100]"),
-            ("n", isinstance(self.n, int) and self.n >= 1, "must be an integer >= 1"),
-            ("best_of", self.best_of is None or (isinstance(self.best_of, int)
+            ("n", is_int(self.n) and self.n >= 1, "must be an integer >= 1"),
+            ("best_of", self.best_of is None or (is_int(self.best_of)
                                                  and self.best_of >= self.n),
              "must be an integer >= n"),
             ("structured_output", self.structured_output is None
@@ -70,7 +82,7 @@ class SamplingParams:
         ]
         for name, ok, msg in checks:
             if not ok:
-                raise RequestError(name, f"{msg}, got {getattr(self, name)!r}")
+                raise RequestError(name, f"{msg}, got {_shown(getattr(self, name))}")
 
     @property
     def greedy(self) -> bool:
@@ -87,5 +99,9 @@ class SamplingParams:
                 or self.repetition_penalty != 1.0)
 
 
-def _num(x: object) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
+def _shown(v: object) -> str:
+    """A bad value for an error message: bounded, and printable whatever it holds."""
+    if isinstance(v, int) and v.bit_length() > 128:  # str() of a huge int is slow, or refused
+        return f"an integer of {v.bit_length()} bits"
+    r = ascii(v)
+    return r if len(r) <= 80 else r[:77] + "..."

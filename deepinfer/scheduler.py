@@ -10,16 +10,24 @@ cache it just filled) and put back at the head of the queue, so no request starv
 A request whose cached prefix lies partly in the lower tiers (host memory, disk) starts loading
 it when queued; while that load runs it stays in the queue and the requests behind it are
 scheduled, so a slow load never stalls the others.
+
+Fault isolation: an exception while scheduling one request (hashing its pages, matching or
+loading its prefix, allocating its pages) fails that request alone. ``fail`` takes it out of
+every queue, frees its pages and keeps it in ``failed`` for the engine to report; the other
+requests are scheduled as if it had never been there.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass
 
 from .config import EngineConfig
 from .kv.cache_manager import KVCacheManager
 from .request import Request, Status
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -39,10 +47,16 @@ class Scheduler:
         self.max_chunk = kv.max_chunk_tokens or config.max_num_batched_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.failed: list[Request] = []  # ended by an exception in their own work, not yet reported
 
     def add(self, req: Request) -> None:
+        """Queue ``req``; if looking up its cached prefix raises, it is not queued and it raises."""
         self.waiting.append(req)
-        self.kv.prefetch(req)  # loads from L2/L3 start now, overlapping with compute
+        try:
+            self.kv.prefetch(req)  # loads from L2/L3 start now, overlapping with compute
+        except Exception:
+            self.finish(req, "error")
+            raise
 
     def add_fork(self, req: Request, running: bool) -> None:
         """A sample forked from a running request: running if it got its KV pages, else at
@@ -63,17 +77,11 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed_tokens, budget, self.max_chunk)
-            while not self.kv.allocate(req, n):
-                victim = self.running[-1]
-                self._preempt(victim)
-                if victim is req:
-                    break
-            else:
+            if self._fit_running(req, n):
                 items.append((req, n))
                 budget -= n
                 i += 1
-                continue
-            # ``req`` itself was preempted; the loop index now points past the end
+            # else ``req`` was preempted or failed: index i now holds the next request
         w = 0
         while w < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[w]
@@ -81,20 +89,42 @@ class Scheduler:
             width = req.params.num_samples if req.group is None else 1
             if len(self.running) + width > self.config.max_num_seqs:
                 break
-            if self.kv.prefetch(req):  # its KV is still being loaded: schedule the next one
-                w += 1
+            try:
+                if self.kv.prefetch(req):  # its KV is still being loaded: schedule the next one
+                    w += 1
+                    continue
+                self.kv.match_prefix(req)
+                n = min(req.num_tokens - req.num_computed_tokens, budget, self.max_chunk)
+                if not self.kv.allocate(req, n):
+                    self.kv.release(req)
+                    break
+            except Exception as e:  # noqa: BLE001 - this request's fault: the others go on
+                self.fail(req, e)  # out of ``waiting``: index w now holds the next request
                 continue
-            self.kv.match_prefix(req)
-            n = min(req.num_tokens - req.num_computed_tokens, budget, self.max_chunk)
-            if not self.kv.allocate(req, n):
-                self.kv.release(req)
-                break
             del self.waiting[w]
             req.status = Status.RUNNING
             self.running.append(req)
             items.append((req, n))
             budget -= n
         return ScheduledBatch(items)
+
+    def _fit_running(self, req: Request, n: int) -> bool:
+        """Allocate ``n`` slots for running ``req``, preempting the newest requests while pages
+        run out. False if ``req`` itself got preempted or failed."""
+        while True:
+            try:
+                if self.kv.allocate(req, n):
+                    return True
+            except Exception as e:  # noqa: BLE001
+                self.fail(req, e)
+                return False
+            victim = self.running[-1]
+            try:
+                self._preempt(victim)
+            except Exception as e:  # noqa: BLE001
+                self.fail(victim, e)
+            if victim is req:
+                return False
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
@@ -104,11 +134,27 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def finish(self, req: Request, reason: str) -> None:
-        """Mark ``req`` finished and free its pages (its full pages stay in the tree)."""
-        if req.status is Status.RUNNING:
+        """Mark ``req`` finished and free its pages (its full pages stay in the tree). It is out
+        of every queue even if freeing its pages raises."""
+        if req.status is Status.RUNNING and req in self.running:
             self.running.remove(req)
-        elif req.status is Status.WAITING:
+        elif req.status is Status.WAITING and req in self.waiting:
             self.waiting.remove(req)
-        self.kv.release(req)
         req.status = Status.FINISHED
         req.finish_reason = reason
+        self.kv.release(req)
+
+    def fail(self, req: Request, error: BaseException) -> None:
+        """End ``req`` (finish reason ``error``) after an exception in its own work."""
+        if req.is_finished and req.finish_reason == "error":
+            return
+        req.error = f"{type(error).__name__}: {error}"
+        self.failed.append(req)
+        try:
+            self.finish(req, "error")
+        except Exception:  # noqa: BLE001 - its pages may stay allocated; it is out of the queues
+            log.exception("freeing the pages of failed request %s failed", req.request_id)
+
+    def take_failed(self) -> list[Request]:
+        out, self.failed = self.failed, []
+        return out

@@ -15,9 +15,10 @@ Why matching stops, in the order they are checked:
 * ``evicted``: the next page was cached by a recent request (the caller keeps a bounded
   record of such page hashes) but is no longer in any tier.
 * ``salt``: the same tokens are cached under another cache salt (salts never share entries).
-  Which salt is not reported.
+  Which salt is not reported; only the salts the caller passes are probed.
 * ``diverged``: the cache holds a continuation that shares tokens with the prompt but
   differs at ``diverge_at`` (``cached_tokens`` is that continuation from the page start).
+  Only continuations of the request's own salt count: another tenant's tokens never show.
 * ``not_cached``: nothing cached continues the prompt here.
 """
 
@@ -107,7 +108,8 @@ def explain_prefix(kv: KVCacheManager, tokens: list[int], salt: str | None = Non
         out.reason = "prefix_cache_disabled"
         out.detail = "the engine runs without a prefix cache (--no-prefix-cache)"
         return out
-    hashes = chain_hashes(tokens, ps, root_hash(kv.model_identity, salt))
+    root = root_hash(kv.model_identity, salt)
+    hashes = chain_hashes(tokens, ps, root)
     path, stop_node, stop_off = _walk(tree, hashes)
     pos = 0
     for node, n in path:
@@ -163,7 +165,10 @@ def explain_prefix(kv: KVCacheManager, tokens: list[int], salt: str | None = Non
     # Candidate continuations: the rest of a partly matched node, or the stop node's children.
     if stop_off:
         cands = [stop_node.tokens[stop_off * ps:] if stop_node.tokens is not None else None]
-    else:
+    elif stop_node is tree.root:  # the root's children start every salt's chain: only ours
+        cands = [c.tokens for c in stop_node.children.values() if c.tokens is not None
+                 and chain_hashes(c.tokens[:ps], ps, root) == c.hashes[:1]]
+    else:  # below the root every node continues this salt's own chain
         cands = [c.tokens for c in stop_node.children.values()]
     rest = tokens[page_start:]
     best, best_len = None, 0

@@ -17,8 +17,22 @@ from ..sampling_params import SamplingParams
 @dataclass
 class SampleResult:
     tokens: list[int]
-    logprobs: list[float] | None  # log-prob of each sampled token (None if nobody asked)
+    # log-prob of each sampled token (None if nobody asked; an entry is None only in a
+    # ``concat`` of rows sampled apart, for a row that did not ask)
+    logprobs: list[float | None] | None
     top_logprobs: list[list[tuple[int, float]]] | None
+
+    @staticmethod
+    def concat(parts: list[SampleResult]) -> SampleResult | None:
+        """One result for rows sampled apart."""
+        if not parts:
+            return None
+        tokens = [t for p in parts for t in p.tokens]
+        if all(p.logprobs is None for p in parts):
+            return SampleResult(tokens, None, None)
+        lps = [lp for p in parts for lp in (p.logprobs or [None] * len(p.tokens))]
+        tops = [t for p in parts for t in (p.top_logprobs or [[]] * len(p.tokens))]
+        return SampleResult(tokens, lps, tops)
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams],

@@ -34,9 +34,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine import LLMEngine
-from .async_engine import Admitted, AsyncEngine, Delta, Submission, merge_deltas
+from .async_engine import AsyncEngine
 from .config import ServerConfig
 from .metrics import render
+from .outputs import Admitted, Delta, Submission, merge_deltas
 from .protocol import APIError, ParsedRequest, parse_json_body, parse_request
 
 log = logging.getLogger("deepinfer.server")
@@ -70,6 +71,55 @@ class BearerAuth:
         resp = JSONResponse(err.body(), status_code=401,
                             headers={"WWW-Authenticate": "Bearer"})
         await resp(scope, receive, send)
+
+
+class CatchAll:
+    """ASGI middleware: an unexpected exception becomes a 500 answer, and the connection stays
+    usable (Starlette's own last-resort handler re-raises, and the server then drops the
+    keep-alive connection with the next request on it)."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def tracking_send(message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception as e:  # noqa: BLE001 - answered here, logged once
+            log.exception("unhandled error")
+            if started:  # a stream already begun: all we can do is end it
+                raise
+            err = APIError(500, f"internal error: {type(e).__name__}", type="server_error")
+            await JSONResponse(err.body(), status_code=500)(scope, receive, send)
+
+
+async def read_json(request: Request, max_bytes: int) -> dict:
+    """The request's JSON object: 415 unless the body is JSON, 413 past ``max_bytes``."""
+    ctype = request.headers.get("content-type", "application/json")
+    mime = ctype.split(";", 1)[0].strip().lower()
+    if mime != "application/json" and not mime.endswith("+json"):
+        raise APIError(415, f"the request body must be JSON (content-type application/json), "
+                            f"got content-type {ctype[:80]!r}", code="unsupported_media_type")
+    too_big = APIError(413, f"the request body is larger than {max_bytes} bytes",
+                       code="request_too_large")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_bytes:
+        raise too_big
+    chunks, n = [], 0
+    async for chunk in request.stream():
+        n += len(chunk)
+        if n > max_bytes:
+            raise too_big
+        chunks.append(chunk)
+    return parse_json_body(b"".join(chunks))
 
 
 # ---------------------------------------------------------------------- formatting
@@ -144,7 +194,7 @@ class Server:
 
     # ------------------------------------------------------------------ completions
     async def completion(self, request: Request, kind: str) -> Response:
-        parsed = parse_request(parse_json_body(await request.body()), kind)
+        parsed = parse_request(await read_json(request, self.config.max_body_bytes), kind)
         self._check_model(parsed.model)
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         sub = Submission(rid, parsed)
@@ -270,7 +320,7 @@ class Server:
 
     # ------------------------------------------------------------------ other endpoints
     async def explain(self, request: Request) -> Response:
-        body = parse_json_body(await request.body())
+        body = await read_json(request, self.config.max_body_bytes)
         kind = "chat" if "messages" in body else "completion"
         if kind == "completion" and "prompt" not in body:
             raise APIError(400, "give 'messages' (chat) or 'prompt' (completion)", param="prompt")
@@ -315,16 +365,14 @@ class Server:
                            "invalid_request_error")
             return JSONResponse(err.body(), status_code=e.status_code, headers=e.headers)
 
-        @app.exception_handler(Exception)
-        async def internal_error(_: Request, e: Exception) -> JSONResponse:
-            log.exception("unhandled error")
-            err = APIError(500, f"internal error: {type(e).__name__}: {e}", type="server_error")
-            return JSONResponse(err.body(), status_code=500)
-
         @app.get("/health")
         async def health() -> Response:
-            if not self.async_engine.alive:
+            eng = self.async_engine
+            if not eng.alive:
                 return JSONResponse({"status": "engine stopped"}, status_code=503)
+            if not eng.healthy:
+                return JSONResponse({"status": "engine failing", "error": eng.last_error},
+                                    status_code=503)
             return JSONResponse({"status": "ok"})
 
         @app.get("/v1/models")
@@ -353,6 +401,7 @@ class Server:
         async def metrics() -> Response:
             return await self.metrics()
 
+        app.add_middleware(CatchAll)
         if self.config.api_key:
             app.add_middleware(BearerAuth, api_key=self.config.api_key)
         return app

@@ -10,6 +10,12 @@ step, and a step never waits for the event loop.
 
 Back-pressure: at most ``max_num_seqs`` requests run; up to ``max_queue`` more wait. A request
 beyond that raises ``QueueFull`` (answered 429 with ``Retry-After``).
+
+Failures: a request the engine fails alone (finish reason ``error``) gets an error delta and
+the others go on. A step that raises as a whole is retried once on the next round; a second
+failure in a row fails every live request (nobody waits on a broken engine), and from
+``UNHEALTHY_AFTER`` failed steps in a row until a step succeeds ``healthy`` is False
+(``/health`` answers 503). Error lines are rate-limited.
 """
 
 from __future__ import annotations
@@ -20,77 +26,26 @@ import logging
 import queue
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from ..engine import LLMEngine
 from ..errors import RequestError
-from ..kv.explain import explain_prefix
 from ..kv.radix import DEVICE
+from ..log_limit import RateLimitedLog
 from ..request import Request, SampleGroup
+from .cache_explain import CacheExplainer
 from .config import ServerConfig
 from .detokenize import TextStream
 from .metrics import ServerMetrics
+from .outputs import Admitted, Delta, QueueFull, Submission, Usage
 from .prompts import BuiltPrompt, PromptBuilder
 from .protocol import APIError, ParsedRequest
 
 log = logging.getLogger("deepinfer.server")
 
-_MAX_SALTS = 256  # salts remembered for the explainer's "cached under another salt" probe
-_CONTEXT_TOKENS = 16  # decoded context each side of where cache matching stops
-
-
-@dataclass
-class Usage:
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-    cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
-
-    def to_dict(self) -> dict:
-        hit = self.cached_tokens
-        return {
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "total_tokens": self.prompt_tokens + self.completion_tokens,
-            "prompt_cache_hit_tokens": hit,  # DeepSeek
-            "prompt_cache_miss_tokens": self.prompt_tokens - hit,
-            "prompt_tokens_details": {"cached_tokens": hit,  # OpenAI
-                                      "cached_tokens_by_tier": dict(self.cached_tokens_by_tier)},
-        }
-
-
-@dataclass
-class Delta:
-    """New output of one request since the last delta (posted to its asyncio queue)."""
-
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[dict] | None = None  # {"id", "token", "logprob", "top": [(id, token, lp)]}
-    finish_reason: str | None = None
-    usage: Usage | None = None
-    error: str | None = None
-    index: int = 0  # the choice (sample) it belongs to, when the request has n > 1
-
-    @property
-    def final(self) -> bool:
-        return self.finish_reason is not None or self.error is not None
-
-
-@dataclass
-class Admitted:
-    request_id: str
-    prompt: BuiltPrompt
-    num_prompt_tokens: int
-
-
-@dataclass
-class Submission:
-    request_id: str
-    parsed: ParsedRequest
-    arrival: float = field(default_factory=time.monotonic)
+UNHEALTHY_AFTER = 2  # failed steps in a row that make /health answer 503
 
 
 @dataclass
@@ -110,21 +65,6 @@ def _deliver(batch: list[tuple[asyncio.Queue, Delta]]) -> None:
         q.put_nowait(d)
 
 
-def merge_deltas(a: Delta, b: Delta) -> Delta:
-    """One delta for two consecutive ones (a slow reader gets fewer, larger chunks)."""
-    lps = None if a.logprobs is None and b.logprobs is None else \
-        (a.logprobs or []) + (b.logprobs or [])
-    return Delta(a.text + b.text, a.token_ids + b.token_ids, lps, b.finish_reason, b.usage,
-                 b.error, a.index)
-
-
-class QueueFull(APIError):
-    def __init__(self, retry_after: int, limit: int) -> None:
-        super().__init__(429, f"the server is at capacity ({limit} requests running or queued); "
-                              f"retry after {retry_after}s", type="rate_limit_exceeded",
-                         code="queue_full", headers={"Retry-After": str(retry_after)})
-
-
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, config: ServerConfig | None = None) -> None:
         self.engine = engine
@@ -138,8 +78,11 @@ class AsyncEngine:
         self._live: dict[str, _Live] = {}
         self._roots: dict[str, _Live] = {}  # requests with several samples, until all are done
         self._outbox: list[tuple[asyncio.Queue, Delta]] = []
-        self._recent_pages: OrderedDict[bytes, None] = OrderedDict()
-        self._salts: OrderedDict[str | None, None] = OrderedDict({None: None})
+        self.explainer = CacheExplainer(engine, self.config.recent_pages,
+                                        self.config.explain_cross_tenant)
+        self._errors = RateLimitedLog(log)
+        self._failed_steps = 0  # steps in a row that raised
+        self.last_error: str | None = None
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._accepting = True
@@ -156,6 +99,11 @@ class AsyncEngine:
     @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def healthy(self) -> bool:
+        """Alive, and fewer than ``UNHEALTHY_AFTER`` steps in a row have failed."""
+        return self.alive and self._failed_steps < UNHEALTHY_AFTER
 
     def _put(self, cmd: Callable[[], None]) -> None:
         if not self.alive:
@@ -333,10 +281,7 @@ class AsyncEngine:
             log.exception("add_request failed")
             fut.set_exception(APIError(500, f"internal error: {e}", type="server_error"))
             return
-        self._salts[p.cache_salt] = None
-        self._salts.move_to_end(p.cache_salt)
-        while len(self._salts) > _MAX_SALTS:
-            self._salts.popitem(last=False)
+        self.explainer.note_salt(p.cache_salt)
         m = self.metrics
         m.prompt_encodings[built.encoding] = m.prompt_encodings.get(built.encoding, 0) + 1
         m.history_rewrites += built.history_rewritten
@@ -376,11 +321,16 @@ class AsyncEngine:
         eng = self.engine
         try:
             sampled = eng.step()
-        except Exception as e:  # noqa: BLE001 - fail the batch, keep serving
-            log.exception("engine step failed")
+        except Exception as e:  # noqa: BLE001 - retried next round; twice in a row fails all
             self.metrics.engine_errors += 1
-            self._fail_all(f"engine error: {type(e).__name__}: {e}")
+            self._failed_steps += 1
+            self.last_error = f"{type(e).__name__}: {e}"
+            self._errors.error("step", "engine step failed (%d in a row): %s", self._failed_steps,
+                               self.last_error, exc_info=True)
+            if self._failed_steps >= 2:
+                self._fail_all(f"engine error: {self.last_error}")
             return
+        self._failed_steps = 0
         if not sampled and not eng.scheduler.running:
             # Work is queued but nothing could be scheduled (should not happen: every
             # accepted request fits the pool). Wait for a command instead of spinning.
@@ -405,6 +355,17 @@ class AsyncEngine:
         return live
 
     def _publish(self, live: _Live, req: Request) -> None:
+        if req.finish_reason == "error":  # failed alone inside the engine
+            del self._live[req.request_id]
+            self.metrics.request_errors += 1
+            self._account(live, "error", req.num_computed_tokens)
+            if req.group is not None:  # one sample failed: so does the request it belongs to
+                self._roots.pop(req.group.request_id, None)
+                for m in req.group.members:
+                    self._live.pop(m.request_id, None)
+                self.engine.abort(req.group.request_id)
+            self._post(live, Delta(error=f"engine error: {req.error}", index=live.index))
+            return
         start, end = live.num_sent_ids, len(req.output_token_ids)
         new = req.output_token_ids[start:end]
         live.num_sent_ids = end
@@ -478,20 +439,8 @@ class AsyncEngine:
                 m.tpot.observe(((req.finish_time or now) - req.first_token_time) / (n - 1))
         if reason != "abort":
             m.e2e.observe(now - arrival)
-        self._remember_pages(req, computed_tokens)
+        self.explainer.remember_pages(req, computed_tokens)
         return usage
-
-    def _remember_pages(self, req: Request, computed_tokens: int) -> None:
-        """Note the page hashes this request cached, to tell 'evicted' from 'never cached'."""
-        if self.engine.kv.tree is None or self.config.recent_pages <= 0:
-            return
-        n = min(len(req.page_hashes), max(0, computed_tokens) // self.engine.kv.page_size)
-        rp = self._recent_pages
-        for h in req.page_hashes[:n]:
-            rp[h] = None
-            rp.move_to_end(h)
-        while len(rp) > self.config.recent_pages:
-            rp.popitem(last=False)
 
     def _logprobs(self, req: Request, start: int, end: int) -> list[dict]:
         dec = self.tokenizer.decode
@@ -518,47 +467,7 @@ class AsyncEngine:
 
     def explain(self, p: ParsedRequest) -> dict:
         """Body of POST /v1/cache/explain; run on the engine thread via ``call``."""
-        built = self._build(p)
-        ids = built.token_ids
-        kv = self.engine.kv
-        ex = explain_prefix(kv, ids, p.cache_salt, other_salts=list(self._salts),
-                            recently_cached=self._recent_pages, context=_CONTEXT_TOKENS)
-        dec = lambda a: self.tokenizer.decode(a, skip_special_tokens=False)  # noqa: E731
-        c = _CONTEXT_TOKENS
-        stop: dict[str, Any] = {"reason": ex.reason, "detail": ex.detail,
-                                "position": ex.hit_tokens}
-        if ex.reason == "diverged":
-            d = ex.diverge_at
-            off = d - ex.matched_tokens
-            cached = ex.cached_tokens or []
-            stop["diverge_at"] = d
-            stop["request_token"] = {"id": ids[d], "text": dec([ids[d]])} if d < len(ids) else None
-            stop["cached_token"] = ({"id": cached[off], "text": dec([cached[off]])}
-                                    if off < len(cached) else None)
-            stop["context"] = {"before": dec(ids[max(0, d - c):d]),
-                               "request_after": dec(ids[d:d + c]),
-                               "cached_after": dec(cached[off:off + c])}
-        elif ex.reason in ("evicted", "salt", "not_cached"):
-            d = ex.matched_tokens
-            stop["context"] = {"before": dec(ids[max(0, d - c):d]),
-                               "request_after": dec(ids[d:d + c])}
-            if ex.reason == "salt":
-                stop["other_salt_tokens"] = ex.other_salt_tokens
-        stats = self.engine.stats()
-        return {
-            "object": "cache.explanation",
-            "prompt_tokens": len(ids),
-            "page_size": ex.page_size,
-            "cache_salt": p.cache_salt,
-            "prompt_cache_hit_tokens": ex.hit_tokens,
-            "prompt_cache_miss_tokens": len(ids) - ex.hit_tokens,
-            "cached_tokens_by_tier": ex.hit_tokens_by_tier,
-            "matched_tokens": ex.matched_tokens,
-            "spans": [{"start": s.start, "end": s.end, "tokens": s.end - s.start, "tier": s.tier}
-                      for s in ex.spans],
-            "stop": stop,
-            "prompt_encoding": {"encoding": built.encoding,
-                                "history_rewritten": built.history_rewritten,
-                                "reused_tokens": built.reused_tokens},
-            "evicted_pages_total": stats.get("evicted_pages"),
-        }
+        try:
+            return self.explainer.explain(self._build(p), p.cache_salt)
+        except RequestError as e:
+            raise APIError.from_request_error(e, {"prompt": p.prompt_field}) from None

@@ -26,12 +26,18 @@ class ServerConfig:
     # Page hashes of recently finished requests, to tell "evicted" from "never cached".
     recent_pages: int = 65_536
     enable_cache_explain: bool = True  # POST /v1/cache/explain
+    # The explainer may say "cached under another cache_salt" (a hint about other tenants).
+    explain_cross_tenant: bool = False
+    # Request bodies: at most this many bytes (413) and this JSON nesting depth (400).
+    max_body_bytes: int = 16 * 2**20
     shutdown_timeout_s: float = 30.0  # graceful shutdown: wait this long for requests to drain
     log_level: str = "info"
 
     def __post_init__(self) -> None:
         if self.max_queue < 0:
             raise ValueError("max_queue must be >= 0")
+        if self.max_body_bytes < 1:
+            raise ValueError("max_body_bytes must be >= 1")
         if not (0 <= self.port < 65536):
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
 
@@ -49,6 +55,11 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="requests allowed to wait beyond --max-num-seqs running ones; more get 429")
     p.add_argument("--no-cache-explain", action="store_true",
                    help="disable POST /v1/cache/explain (it reveals what other requests cached)")
+    p.add_argument("--explain-cross-tenant", action="store_true",
+                   help="let the cache explainer say when the tokens are cached under another "
+                        "cache_salt (off: it describes only the requesting tenant's cache)")
+    p.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
+                   help="largest request body accepted (larger: 413)")
     p.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout_s,
                    help="seconds to let running requests finish on shutdown")
     p.add_argument("--log-level", default=d.log_level)
@@ -58,4 +69,6 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(host=args.host, port=args.port, api_key=args.api_key or None,
                         served_model_name=args.served_model_name, max_queue=args.max_queue,
                         enable_cache_explain=not args.no_cache_explain,
+                        explain_cross_tenant=args.explain_cross_tenant,
+                        max_body_bytes=args.max_body_bytes,
                         shutdown_timeout_s=args.shutdown_timeout, log_level=args.log_level)

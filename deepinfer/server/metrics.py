@@ -16,6 +16,7 @@ mentions tiers, else ``key``.
 from __future__ import annotations
 
 import bisect
+import copy
 import math
 import re
 from dataclasses import dataclass, field
@@ -90,14 +91,11 @@ class ServerMetrics:
     aborted: int = 0  # client disconnects
     history_rewrites: int = 0
     prompt_encodings: dict[str, int] = field(default_factory=dict)
-    engine_errors: int = 0
+    engine_errors: int = 0  # steps that raised as a whole
+    request_errors: int = 0  # requests the engine failed alone (the others went on)
 
     def copy(self) -> ServerMetrics:
-        return ServerMetrics(self.ttft.copy(), self.tpot.copy(), self.e2e.copy(),
-                             dict(self.finished), self.prompt_tokens, self.generation_tokens,
-                             dict(self.cached_by_tier), self.rejected_queue_full, self.aborted,
-                             self.history_rewrites, dict(self.prompt_encodings),
-                             self.engine_errors)
+        return copy.deepcopy(self)
 
 
 def _esc(v: str) -> str:
@@ -172,7 +170,7 @@ def _engine_series(name: str, value, taken: set[str]) -> tuple[str, str, str, li
 _SERVER_NAMES = {"request_success_total", "prompt_tokens_total", "generation_tokens_total",
                  "requests_rejected_total", "requests_aborted_total",
                  "chat_history_rewrites_total", "prompt_encodings_total",
-                 "engine_errors_total", "time_to_first_token_seconds",
+                 "engine_errors_total", "request_errors_total", "time_to_first_token_seconds",
                  "time_per_output_token_seconds", "e2e_request_latency_seconds"}
 
 
@@ -210,8 +208,11 @@ def render(engine_stats: dict, m: ServerMetrics, model_name: str) -> str:
              "Prompts by how they were encoded (extended: earlier prompt + generated ids kept).",
              [({"encoding": k}, v) for k, v in sorted(m.prompt_encodings.items())]
              or [({"encoding": "rendered"}, 0)])
-    w.metric("engine_errors_total", "counter", "Engine steps that raised.",
+    w.metric("engine_errors_total", "counter", "Engine steps that raised as a whole.",
              [(None, m.engine_errors)])
+    w.metric("request_errors_total", "counter",
+             "Requests that failed alone inside the engine (the others went on).",
+             [(None, m.request_errors)])
     w.histogram("time_to_first_token_seconds", "Time from request arrival to first token.",
                 m.ttft)
     w.histogram("time_per_output_token_seconds",

@@ -8,20 +8,29 @@ the offending field, OpenAI style::
 
 Unknown fields are ignored, as vLLM does. Fields we cannot honour (tools, ``echo``,
 ``suffix``) are rejected with 400 rather than silently ignored.
+
+Before any field is read, the whole body is checked: JSON nested at most ``MAX_JSON_DEPTH``
+deep, integers of at most 4,300 digits (Python's own bound), and every string (keys too)
+valid Unicode, i.e. without lone surrogates, which JSON's ``\\ud800`` escapes can carry. The
+value ranges are those of ``deepinfer/limits.py``.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from typing import Any
 
 from ..errors import RequestError
+from ..limits import INT64_MAX, INT64_MIN, SEED_MAX, SEED_MIN, encodable, is_int
 from ..sampling_params import SamplingParams
 from ..structured.spec import StructuredOutput
 
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (chat: the rest)
+MAX_JSON_DEPTH = 64  # nesting of arrays and objects in a request body
+ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 
 
 class APIError(Exception):
@@ -57,31 +66,58 @@ def parse_json_body(raw: bytes) -> dict:
         raise bad(None, "the request body is empty; expected a JSON object")
     try:
         body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except RecursionError:
+        raise bad(None, f"the request body is nested more than {MAX_JSON_DEPTH} levels deep") \
+            from None
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError, or an int of > 4300 digits
         raise bad(None, f"the request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
         raise bad(None, f"the request body must be a JSON object, got {type(body).__name__}")
+    check_json_values(body)
     return body
 
 
+def check_json_values(body: dict) -> None:
+    """Depth bound and valid Unicode for the whole body; the error names the first bad path."""
+    stack: list[tuple[object, str, int]] = [(body, "", 1)]
+    while stack:
+        v, path, depth = stack.pop()
+        if isinstance(v, str):
+            if not encodable(v):
+                raise bad(path or None, "must be valid Unicode text (it contains a lone "
+                                        "surrogate)")
+            continue
+        if not isinstance(v, (dict, list)):
+            continue
+        if depth > MAX_JSON_DEPTH:
+            raise bad(path or None, f"the request body is nested more than {MAX_JSON_DEPTH} "
+                                    "levels deep")
+        if isinstance(v, dict):
+            for k, x in v.items():
+                where = f"{path}.{k}" if path else k
+                if not encodable(k):
+                    raise bad(path or None, "field names must be valid Unicode text")
+                stack.append((x, where, depth + 1))
+        else:
+            stack.extend((x, f"{path}[{i}]", depth + 1) for i, x in enumerate(v)
+                         if isinstance(x, (str, dict, list)))
+
+
 # ---------------------------------------------------------------------- field readers
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
 def _is_num(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
-def get_int(body: dict, name: str, default: int | None = None, lo: int | None = None,
-            hi: int | None = None) -> int | None:
+def get_int(body: dict, name: str, default: int | None = None, lo: int = INT64_MIN,
+            hi: int = INT64_MAX) -> int | None:
+    """An integer field; within int64 unless ``lo``/``hi`` say otherwise."""
     v = body.get(name)
     if v is None:
         return default
     if isinstance(v, float) and v.is_integer():
         v = int(v)
-    if not _is_int(v):
-        raise bad(name, f"must be an integer, got {json.dumps(v)}")
+    if not is_int(v):
+        raise bad(name, f"must be an integer, got {_shown(v)}")
     return _in_range(name, v, lo, hi)
 
 
@@ -91,16 +127,30 @@ def get_num(body: dict, name: str, default: float | None = None, lo: float | Non
     if v is None:
         return default
     if not _is_num(v):
-        raise bad(name, f"must be a number, got {json.dumps(v)}")
-    return float(_in_range(name, v, lo, hi))
+        raise bad(name, f"must be a number, got {_shown(v)}")
+    try:
+        f = float(v)
+    except OverflowError:  # an integer beyond the float range
+        raise bad(name, f"must be a finite number, got {_shown(v)}") from None
+    if not math.isfinite(f):
+        raise bad(name, f"must be a finite number, got {_shown(v)}")
+    return float(_in_range(name, f, lo, hi))
 
 
 def _in_range(name: str, v, lo, hi):
     if lo is not None and v < lo:
-        raise bad(name, f"must be >= {lo}, got {v}")
+        raise bad(name, f"must be >= {lo}, got {_shown(v)}")
     if hi is not None and v > hi:
-        raise bad(name, f"must be <= {hi}, got {v}")
+        raise bad(name, f"must be <= {hi}, got {_shown(v)}")
     return v
+
+
+def _shown(v: Any) -> str:
+    """A bad value for an error message, bounded in length (and cheap for huge integers)."""
+    if is_int(v) and v.bit_length() > 128:
+        return f"an integer of {v.bit_length()} bits"
+    r = json.dumps(v) if isinstance(v, (int, float, bool, type(None))) else ascii(v)
+    return r if len(r) <= 80 else r[:77] + "..."
 
 
 def get_bool(body: dict, name: str, default: bool = False) -> bool:
@@ -108,7 +158,7 @@ def get_bool(body: dict, name: str, default: bool = False) -> bool:
     if v is None:
         return default
     if not isinstance(v, bool):
-        raise bad(name, f"must be a boolean, got {json.dumps(v)}")
+        raise bad(name, f"must be a boolean, got {_shown(v)}")
     return v
 
 
@@ -118,7 +168,7 @@ def get_str(body: dict, name: str, default: str | None = None,
     if v is None:
         return default
     if not isinstance(v, str):
-        raise bad(name, f"must be a string, got {json.dumps(v)[:80]}")
+        raise bad(name, f"must be a string, got {_shown(v)}")
     if nonempty and not v:
         raise bad(name, "must not be empty")
     return v
@@ -159,10 +209,10 @@ def get_logit_bias(body: dict) -> dict[int, float]:
         raise bad("logit_bias", "must be an object mapping token ids to biases")
     out: dict[int, float] = {}
     for k, b in v.items():
-        if not (isinstance(k, str) and k.isdigit()):
+        if not (isinstance(k, str) and k.isascii() and k.isdigit() and len(k) <= 19):
             raise bad("logit_bias", f"keys must be token ids (non-negative integers), got {k!r}")
         if not _is_num(b) or not -100 <= b <= 100:
-            raise bad("logit_bias", f"biases must be numbers in [-100, 100], got {json.dumps(b)}")
+            raise bad("logit_bias", f"biases must be numbers in [-100, 100], got {_shown(b)}")
         out[int(k)] = float(b)
     return out
 
@@ -212,6 +262,9 @@ def normalize_messages(v: Any) -> list[dict]:
         role = m.get("role")
         if not isinstance(role, str) or not role:
             raise bad(f"{where}.role", "must be a non-empty string")
+        if role not in ROLES:
+            raise bad(f"{where}.role", f"must be one of {', '.join(sorted(ROLES))}, got "
+                                       f"{_shown(role)}")
         content = m.get("content")
         if content is None:
             if role != "assistant":
@@ -264,7 +317,9 @@ def parse_prompt(v: Any) -> str | list[int]:
     if isinstance(v, list):
         if not v:
             raise bad("prompt", "must not be empty")
-        if all(_is_int(t) for t in v):
+        if all(is_int(t) for t in v):
+            if not all(0 <= t <= INT64_MAX for t in v):
+                raise bad("prompt", "token ids must be non-negative 64-bit integers")
             return list(v)
         if all(isinstance(t, (str, list)) for t in v):
             raise bad("prompt", "batched prompts are not supported; send one prompt per request")
@@ -309,15 +364,16 @@ def parse_request(body: dict, kind: str) -> ParsedRequest:
         logprobs = get_int(body, "logprobs", None, lo=0, hi=20)
         want = logprobs is not None
     stop_ids = body.get("stop_token_ids") or []
-    if not isinstance(stop_ids, list) or not all(_is_int(t) and t >= 0 for t in stop_ids):
-        raise bad("stop_token_ids", "must be an array of non-negative integers")
+    if not isinstance(stop_ids, list) or not all(is_int(t) and 0 <= t <= INT64_MAX
+                                                 for t in stop_ids):
+        raise bad("stop_token_ids", "must be an array of non-negative 64-bit integers")
     params_kw = dict(
         max_tokens=max_tokens or 1,
         temperature=get_num(body, "temperature", 1.0),
         top_p=get_num(body, "top_p", 1.0),
         top_k=get_int(body, "top_k", 0),
         min_p=get_num(body, "min_p", 0.0),
-        seed=get_int(body, "seed"),
+        seed=get_int(body, "seed", lo=SEED_MIN, hi=SEED_MAX),
         stop=get_stop(body),
         stop_token_ids=list(stop_ids),
         ignore_eos=get_bool(body, "ignore_eos"),

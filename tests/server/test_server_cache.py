@@ -39,10 +39,23 @@ def test_salted_requests_never_hit_another_salts_entries(server):
     assert complete(server.url, p, salt="tenant-a")["prompt_cache_hit_tokens"] == 36
     assert complete(server.url, p, salt="tenant-b")["prompt_cache_hit_tokens"] == 0
     assert complete(server.url, p)["prompt_cache_hit_tokens"] == 0  # unsalted
+    # The explainer describes the asking tenant's cache only: no hint, no other tenant's tokens.
     ex = explain(server.url, {"prompt": p, "cache_salt": "tenant-c"})
-    assert ex["prompt_cache_hit_tokens"] == 0 and ex["stop"]["reason"] == "salt"
-    assert ex["stop"]["other_salt_tokens"] == 40
-    assert "tenant" not in str(ex["stop"])  # which salt holds it is not revealed
+    assert ex["prompt_cache_hit_tokens"] == 0 and ex["stop"]["reason"] == "not_cached"
+    assert "cached_after" not in ex["stop"]["context"] and "other_salt_tokens" not in ex["stop"]
+
+
+def test_cross_tenant_explainer_hints_only_when_the_operator_allows(tiny_llama):
+    srv = start_server(tiny_llama, explain_cross_tenant=True)
+    try:
+        p = tokens(40, seed=11)
+        complete(srv.url, p, salt="tenant-a")
+        ex = explain(srv.url, {"prompt": p, "cache_salt": "tenant-c"})
+        assert ex["prompt_cache_hit_tokens"] == 0 and ex["stop"]["reason"] == "salt"
+        assert ex["stop"]["other_salt_tokens"] == 40
+        assert "tenant" not in str(ex["stop"])  # which salt holds it is not revealed
+    finally:
+        srv.stop()
 
 
 def test_explainer_on_a_hand_made_divergence(server):

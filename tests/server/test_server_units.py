@@ -104,7 +104,7 @@ def test_parse_request_maps_openai_fields():
 
 
 def test_merged_deltas_keep_order_and_the_last_finish():
-    from deepinfer.server.async_engine import Delta, Usage, merge_deltas
+    from deepinfer.server.outputs import Delta, Usage, merge_deltas
 
     u = Usage(3, 2, 0)
     d = merge_deltas(Delta("a", [1], None), Delta("b", [2], None, "stop", u))

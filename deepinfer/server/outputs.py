@@ -1,0 +1,75 @@
+"""What the engine thread hands to the HTTP side: admissions, output deltas and usage."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from .prompts import BuiltPrompt
+from .protocol import APIError, ParsedRequest
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        hit = self.cached_tokens
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_cache_hit_tokens": hit,  # DeepSeek
+            "prompt_cache_miss_tokens": self.prompt_tokens - hit,
+            "prompt_tokens_details": {"cached_tokens": hit,  # OpenAI
+                                      "cached_tokens_by_tier": dict(self.cached_tokens_by_tier)},
+        }
+
+
+@dataclass
+class Delta:
+    """New output of one request since the last delta (posted to its asyncio queue)."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict] | None = None  # {"id", "token", "logprob", "top": [(id, token, lp)]}
+    finish_reason: str | None = None
+    usage: Usage | None = None
+    error: str | None = None
+    index: int = 0  # the choice (sample) it belongs to, when the request has n > 1
+
+    @property
+    def final(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+
+def merge_deltas(a: Delta, b: Delta) -> Delta:
+    """One delta for two consecutive ones (a slow reader gets fewer, larger chunks)."""
+    lps = None if a.logprobs is None and b.logprobs is None else \
+        (a.logprobs or []) + (b.logprobs or [])
+    return Delta(a.text + b.text, a.token_ids + b.token_ids, lps, b.finish_reason, b.usage,
+                 b.error, a.index)
+
+
+@dataclass
+class Admitted:
+    request_id: str
+    prompt: BuiltPrompt
+    num_prompt_tokens: int
+
+
+@dataclass
+class Submission:
+    request_id: str
+    parsed: ParsedRequest
+    arrival: float = field(default_factory=time.monotonic)
+
+
+class QueueFull(APIError):
+    def __init__(self, retry_after: int, limit: int) -> None:
+        super().__init__(429, f"the server is at capacity ({limit} requests running or queued); "
+                              f"retry after {retry_after}s", type="rate_limit_exceeded",
+                         code="queue_full", headers={"Retry-After": str(retry_after)})
