@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -60,12 +61,20 @@ def add_tier_args(p: argparse.ArgumentParser) -> None:
                         "$DEEPINFER_KV_CACHE_DIR, $DEEPINFER_CACHE_DIR/kv or ~/.cache/deepinfer/kv)")
     t.add_argument("--disk-cache-gb", type=float, default=d.disk_cache_gb, help="L3 size bound")
     t.add_argument("--no-disk-cache", action="store_true", help="turn L3 off")
+    add_secret_arg(t)
     t.add_argument("--kv-codec-host", default=d.kv_codec_host, choices=CODEC_NAMES, help="L2 page codec")
     t.add_argument("--kv-codec-disk", default=d.kv_codec_disk, choices=CODEC_NAMES, help="L3 page codec")
     t.add_argument("--cache-policy", default=d.cache_policy, choices=POLICIES,
                    help="write_through: every cached page also goes to L3 at once; write_back: pages "
                         "go down a tier only when evicted; selective: L3 only after --selective-hits hits")
     t.add_argument("--selective-hits", type=int, default=d.selective_hits)
+
+
+def add_secret_arg(p) -> None:
+    p.add_argument("--kv-store-secret", default=os.environ.get("DEEPINFER_KV_STORE_SECRET"),
+                   help="key of the L3 files' MAC: only files written with it are read, so a shared "
+                        "directory cannot be poisoned without it (default: "
+                        "$DEEPINFER_KV_STORE_SECRET, else a plain CRC-32)")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -81,6 +90,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         host_cache_gb=args.host_cache_gb, enable_disk_cache=not args.no_disk_cache,
         disk_cache_dir=args.disk_cache_dir, disk_cache_gb=args.disk_cache_gb,
         kv_codec_host=args.kv_codec_host, kv_codec_disk=args.kv_codec_disk,
+        kv_store_secret=args.kv_store_secret or None,
         cache_policy=args.cache_policy, selective_hits=args.selective_hits)
 
 
@@ -159,7 +169,8 @@ def _open_disk_store(args: argparse.Namespace):
     if not os.path.isdir(path):
         _print_json({"dir": path, "files": 0, "note": "no such directory"})
         return None
-    return DiskStore(path, 1 << 62, None)
+    secret = args.kv_store_secret.encode() if args.kv_store_secret else None
+    return DiskStore(path, 1 << 62, None, secret=secret)
 
 
 def _print_json(obj: dict) -> None:
@@ -186,7 +197,7 @@ def cmd_cache_verify(args: argparse.Namespace) -> int:
     store = _open_disk_store(args)
     if store is None:
         return 0
-    report = store.verify()
+    report = store.verify(repair=args.repair)
     _print_json({"dir": store.path, **report})
     return 0 if report["ok"] == report["checked"] else 1
 
@@ -254,11 +265,16 @@ def cmd_cache_warm(args: argparse.Namespace) -> int:
 def add_cache_subcommands(sub: argparse._SubParsersAction) -> None:
     def with_dir(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         p.add_argument("--disk-cache-dir", default=None, help="L3 directory (default: the engine's)")
+        add_secret_arg(p)
         return p
 
     with_dir(sub.add_parser("stats", help="files and bytes in the L3 directory")).set_defaults(func=cmd_cache_stats)
-    with_dir(sub.add_parser("verify", help="re-check every L3 file's header and checksum; "
-                            "bad files are quarantined (exit 1 if any)")).set_defaults(func=cmd_cache_verify)
+    v = with_dir(sub.add_parser("verify", help="re-check every L3 file: format, the tag over header "
+                                "and payload (a MAC with --kv-store-secret); exit 1 if any is bad"))
+    v.add_argument("--repair", action="store_true",
+                   help="quarantine the bad files (so their pages get written again) and remove "
+                        "dead writers' temp files")
+    v.set_defaults(func=cmd_cache_verify)
     with_dir(sub.add_parser("clear", help="delete every L3 page file")).set_defaults(func=cmd_cache_clear)
     w = sub.add_parser("warm", help="prefill prompts from a file (one per line, or JSONL) so "
                        "their KV is cached on L3 (e.g. a shared system prompt)")

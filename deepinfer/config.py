@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -42,6 +42,9 @@ class EngineConfig:
     disk_cache_gb: float = 20.0  # L3 bound (also at most the files there + half the free space)
     kv_codec_host: str = "lossless"  # lossless | fp8 | fp4 | mxfp4
     kv_codec_disk: str = "lossless"
+    # Key of the L3 files' MAC (keyed BLAKE2b over header + payload): a shared directory cannot
+    # be poisoned by anyone without it. None: a CRC-32 (catches damage, not forgery).
+    kv_store_secret: str | None = field(default=None, repr=False)
     cache_policy: str = "write_through"  # write_through | write_back | selective
     selective_hits: int = 2  # selective: lookups a prefix needs before it is written to L3
     seed: int = 0

@@ -13,6 +13,7 @@ import sys
 import textwrap
 import threading
 import time
+import zlib
 from pathlib import Path
 
 import pytest
@@ -193,7 +194,8 @@ def _foreign(f: Path):
     header = json.loads(data[10 : 10 + hlen])
     header["namespace"] = "other-model-fingerprint|" + header["namespace"].split("|", 1)[1]
     h = json.dumps(header, separators=(",", ":")).encode()
-    f.write_bytes(data[:6] + len(h).to_bytes(4, "little") + h + data[10 + hlen :])
+    body = data[:6] + len(h).to_bytes(4, "little") + h + data[10 + hlen : -4]
+    f.write_bytes(body + zlib.crc32(body).to_bytes(4, "little"))  # a valid tag: not damaged
 
 
 @pytest.mark.parametrize("damage,counter", [(_flip, "cache_checksum_failures_total"),
@@ -445,6 +447,10 @@ def test_cache_cli_warm_stats_verify_clear(tiny_llama, tmp_path, capsys):
     assert cli_main(["cache", "verify", "--disk-cache-dir", str(disk)]) == 1
     report = json.loads(capsys.readouterr().out)
     assert report["checksum_failures"] == 1 and report["ok"] == report["checked"] - 1
+    assert cli_main(["cache", "verify", "--disk-cache-dir", str(disk)]) == 1  # only a report
+    capsys.readouterr()
+    assert cli_main(["cache", "verify", "--repair", "--disk-cache-dir", str(disk)]) == 1
+    assert json.loads(capsys.readouterr().out)["repaired"] == 1
     assert cli_main(["cache", "verify", "--disk-cache-dir", str(disk)]) == 0  # quarantined
     capsys.readouterr()
     assert cli_main(["cache", "clear", "--disk-cache-dir", str(disk)]) == 0

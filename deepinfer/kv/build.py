@@ -4,6 +4,7 @@ window pool) for the model runner, the lower tiers and the cache manager for the
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 from collections.abc import Sequence
@@ -22,6 +23,8 @@ from .tiers.tier_io import TierIO
 from .window.layout import WindowLayout, cdiv
 from .window.manager import WindowKVCacheManager, WindowReuse
 from .window.pool import WindowPool
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -81,18 +84,34 @@ def window_pool_pages(layout: WindowLayout, ring_pages: int, page_bytes: int, ma
 
 
 def build_tiers(config: EngineConfig, pool: PagePool, model_identity: str) -> TierIO | None:
-    """L2/L3 backend per the config (None when both are off or prefix caching is)."""
+    """L2/L3 backend per the config (None when both are off or prefix caching is). A tier asked
+    for that ends up with no usable capacity is logged at start-up, naming its flag."""
     c = config
     if not c.enable_prefix_cache or not pool.owned_buffers():
         return None  # (no buffers: a model of sliding-window layers only, whose pages hold nothing)
     disk_dir = c.disk_cache_path()
     sizes = bounded_sizes(c.host_cache_gb, disk_dir, c.disk_cache_gb)
-    if sizes.host_bytes <= 0 and sizes.disk_bytes <= 0:
-        return None
-    return TierIO(PoolTransfer(pool), c.page_size, model_identity,
-                  host_bytes=sizes.host_bytes, host_codec=c.kv_codec_host,
-                  disk_dir=disk_dir if sizes.disk_bytes > 0 else None,
-                  disk_bytes=sizes.disk_bytes, disk_codec=c.kv_codec_disk)
+    tiers = None
+    if sizes.host_bytes > 0 or sizes.disk_bytes > 0:
+        secret = c.kv_store_secret.encode() if c.kv_store_secret else None
+        tiers = TierIO(PoolTransfer(pool), c.page_size, model_identity,
+                       host_bytes=sizes.host_bytes, host_codec=c.kv_codec_host,
+                       disk_dir=disk_dir if sizes.disk_bytes > 0 else None,
+                       disk_bytes=sizes.disk_bytes, disk_codec=c.kv_codec_disk, disk_secret=secret)
+    if c.host_cache_gb > 0 and (tiers is None or tiers.host_capacity == 0):
+        log.warning("L2 (host) KV tier has no usable capacity: --host-cache-gb %g is bounded to "
+                    "%d bytes by the available memory, less than one page; L2 is off",
+                    c.host_cache_gb, sizes.host_bytes)
+    if disk_dir and c.disk_cache_gb > 0:
+        if tiers is None or tiers.disk_capacity == 0:
+            log.warning("L3 (disk) KV tier at %s has no usable capacity: --disk-cache-gb %g is "
+                        "bounded to %d bytes (files there plus half the free space), less than "
+                        "one page; L3 is off", disk_dir, c.disk_cache_gb, sizes.disk_bytes)
+        elif sizes.disk_bytes < int(c.disk_cache_gb * 2**30):
+            log.warning("L3 (disk) KV tier at %s: --disk-cache-gb %g bounded to %.3f GiB (files "
+                        "there plus half the free space)", disk_dir, c.disk_cache_gb,
+                        sizes.disk_bytes / 2**30)
+    return tiers
 
 
 def build_cache_manager(config: EngineConfig, device_kv: DeviceKV, model_identity: str,

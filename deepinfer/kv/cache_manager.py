@@ -103,7 +103,7 @@ class KVCacheManager:
         m = self.tree.match(hashes, count_hit=not req.kv_hit_counted)
         req.kv_hit_counted = True
         self.tiers.after_hit(m.path)
-        job = self.tiers.plan(hashes, m.path)
+        job = self.tiers.plan(hashes, m.path, req.all_token_ids)
         if job is None:
             req.kv_prefetched = True
             return False

@@ -161,7 +161,7 @@ def _engine_series(name: str, value, taken: set[str]) -> tuple[str, str, str, li
         return metric, kind, help, [(None, value)]
     if isinstance(value, dict) and value and all(
             isinstance(v, (int, float)) and not isinstance(v, bool) for v in value.values()):
-        label = "tier" if "tier" in name else "key"
+        label = "tier" if "tier" in name else ("reason" if "reason" in name else "key")
         return metric, kind, help, [({label: str(k)}, v) for k, v in sorted(value.items())]
     return None
 

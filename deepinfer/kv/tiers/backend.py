@@ -17,6 +17,7 @@ import torch
 
 from ..hashing import disk_key
 from ..radix import TIER_NAMES, Node
+from .page_file import PageId
 
 DiskKey = str | bytes  # an L3 key (``disk_key``; the planner uses the page hash itself)
 PageSource = tuple[int, int | DiskKey]  # (tier, L2 slot or L3 key) of a page to load
@@ -30,6 +31,9 @@ class LoadJob:
 
     sources: list[PageSource]
     probe: list[DiskKey] = field(default_factory=list)
+    # the page each L3 file must hold (``page_file.py``): per source (None for L2), per probe key
+    source_ids: list[PageId | None] = field(default_factory=list)
+    probe_ids: list[PageId] = field(default_factory=list)
     t_start: float = field(default_factory=time.perf_counter)
     # set by the backend
     done: bool = False
@@ -73,10 +77,11 @@ class TierBackend(ABC):
     def device_to_host(self, pages: list[int], slots: list[int]) -> None: ...
 
     @abstractmethod
-    def device_to_disk(self, pages: list[int], keys: list[DiskKey]) -> bool: ...
+    def device_to_disk(self, pages: list[int], keys: list[DiskKey], ids: list[PageId]) -> bool:
+        """``ids``: the page each file holds, recorded in its header."""
 
     @abstractmethod
-    def host_to_disk(self, slots: list[int], keys: list[DiskKey]) -> bool: ...
+    def host_to_disk(self, slots: list[int], keys: list[DiskKey], ids: list[PageId]) -> bool: ...
 
     # ---------------------------------------------------------------- files and loads
     @abstractmethod
@@ -86,12 +91,13 @@ class TierBackend(ABC):
 
     @abstractmethod
     def write_file(self, key: str, data: Callable[[], torch.Tensor], nbytes: int,
-                   token_count: int) -> bool:
-        """Write a file that is no tree page (a window snapshot) to L3 in the background."""
+                   token_count: int, page: PageId) -> bool:
+        """Write a file that is no tree page (a window snapshot of ``page``) to L3 in the
+        background."""
 
     @abstractmethod
-    def read_file(self, key: str, nbytes: int) -> memoryview | None:
-        """Such a file's payload (``nbytes``), or None if absent or bad."""
+    def read_file(self, key: str, nbytes: int, page: PageId) -> memoryview | None:
+        """Such a file's payload (``nbytes``), or None if absent, bad or another page's."""
 
     @abstractmethod
     def start_load(self, job: LoadJob) -> None:
@@ -146,11 +152,11 @@ class CountingBackend(TierBackend):
     def device_to_host(self, pages: list[int], slots: list[int]) -> None:
         self.moved["device->host"] += len(pages)
 
-    def device_to_disk(self, pages: list[int], keys: list[DiskKey]) -> bool:
+    def device_to_disk(self, pages: list[int], keys: list[DiskKey], ids: list[PageId]) -> bool:
         self.moved["device->disk"] += len(pages)
         return True
 
-    def host_to_disk(self, slots: list[int], keys: list[DiskKey]) -> bool:
+    def host_to_disk(self, slots: list[int], keys: list[DiskKey], ids: list[PageId]) -> bool:
         self.moved["host->disk"] += len(slots)
         return True
 
@@ -158,10 +164,10 @@ class CountingBackend(TierBackend):
         return False
 
     def write_file(self, key: str, data: Callable[[], torch.Tensor], nbytes: int,
-                   token_count: int) -> bool:
+                   token_count: int, page: PageId) -> bool:
         return False
 
-    def read_file(self, key: str, nbytes: int) -> memoryview | None:
+    def read_file(self, key: str, nbytes: int, page: PageId) -> memoryview | None:
         return None
 
     def start_load(self, job: LoadJob) -> None:

@@ -1,16 +1,22 @@
 """L3 disk tier: one file per KV page in a directory that several processes may share.
 
-Layout: ``<dir>/<key[:2]>/<key>.kv`` (fan-out keeps directories small). A file's bytes are
-``disk_file.py``'s (header + checksum).
+Layout: ``<dir>/<key[:2]>/<key>.kv`` (fan-out keeps directories small). The file format, and
+how a file is bound to the page it holds (a tag over header and payload; the header names the
+chained page hash and a digest of the token ids, checked against what the reader asked for),
+is ``page_file.py``.
 
 Safety rules, because this is a cache and the engine must keep serving:
 
-* writes go to ``.<key>.<pid>.<tid>.tmp`` in the final directory, are fsynced, then ``os.replace``d:
-  readers only ever open ``<key>.kv``, so a crashed writer (kill -9) leaves at most a temp file,
-  which is ignored and removed at the next open once older than ``tmp_max_age_s``;
-* every failure is a miss or a ``False``, never an exception: OSError on write counts
-  ``write_errors``; a bad file counts ``checksum_failures`` / ``corrupt_files`` and goes to
-  ``<dir>/quarantine/``; a file from another namespace or format version is a miss left in place;
+* writes go to ``.<key>.<host>.<pid>.<tid>.tmp`` in the final directory, are fsynced, then
+  ``os.replace``d: readers only ever open ``<key>.kv``, so a crashed writer (kill -9) leaves at
+  most a temp file, which the next open removes: at once when its writer (same host, that pid)
+  is dead, else once older than ``tmp_max_age_s``;
+* every failure is a miss or a ``False``, never an exception. A write that fails is counted by
+  cause (``write_errors_no_space``, ``_permission``, ``_other``) and logged, rate-limited;
+* a bad file (damaged, another page's, unreadable) is counted and moved to ``<dir>/quarantine/``
+  (deleted once that holds ``max_quarantine`` files) and dropped from the index, so the page,
+  recomputed, is written again: the store heals. ``put`` always writes (it never trusts an
+  existing file it has not read). A file of another namespace or format is a miss left in place;
 * the capacity bound is kept with an in-memory LRU index built by one scan at open and updated on
   put/get/evict. Files other processes add are found on an index miss (one ``stat``), and evicting a
   file someone else already removed is fine. Each process enforces the bound over the files it
@@ -25,25 +31,45 @@ import errno
 import logging
 import os
 import re
+import socket
 import threading
 import time
 from collections import OrderedDict
 
-from .disk_file import PREFIX, BadFile, file_head, parse_file, parse_header
+from ...log_limit import RateLimitedLog
+from .page_file import BadFile, PageFormat, PageId
+
+__all__ = ["DiskStore"]
 
 log = logging.getLogger(__name__)
 
 _KEY_RE = re.compile(r"[0-9a-f]{2,256}")
 _FANOUT_RE = re.compile(r"[0-9a-f]{2}")
+_TMP_RE = re.compile(r"\.([0-9a-f]{2,256})\.(.+)\.([0-9]+)\.([0-9]+)\.tmp")  # key, host, pid, tid
 _QUARANTINE = "quarantine"
+_HOST = re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname()) or "host"
+_WRITE_ERRORS = {errno.ENOSPC: "no_space", errno.EDQUOT: "no_space", errno.EACCES: "permission",
+                 errno.EPERM: "permission", errno.EROFS: "permission"}
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: it exists, under another user
+        return True
+    return True
 
 
 class DiskStore:
-    """Content-addressed page files with checksums, atomic writes and an LRU byte budget.
+    """Content-addressed page files, bound to their pages, with atomic writes and an LRU
+    byte budget.
 
     ``namespace=None`` opens the directory for maintenance (``deepinfer cache verify|stats|clear``):
     files of every namespace are accepted and checked, nothing can be written. Mind that opening
-    evicts down to ``capacity_bytes``: maintenance opens with an unbounded capacity.
+    evicts down to ``capacity_bytes``: maintenance opens with an unbounded capacity. ``secret``
+    makes every tag a keyed MAC (``page_file.py``).
     """
 
     def __init__(
@@ -55,10 +81,13 @@ class DiskStore:
         tmp_max_age_s: float = 600.0,
         max_quarantine: int = 256,
         touch_on_hit: bool = True,
+        secret: bytes | None = None,
     ) -> None:
         self.path = os.fspath(path)
         self.capacity_bytes = int(capacity_bytes)
         self.namespace = namespace
+        self.format = PageFormat(namespace, secret)
+        self._log = RateLimitedLog(log)
         self.tmp_max_age_s = tmp_max_age_s
         self.max_quarantine = max_quarantine
         self.touch_on_hit = touch_on_hit  # mtime = recency, so the LRU order survives a restart
@@ -68,7 +97,9 @@ class DiskStore:
         self._closed = False
         self._counters = dict.fromkeys(
             ["hits", "misses", "bytes_read", "bytes_written", "writes", "checksum_failures",
-             "corrupt_files", "foreign_files", "write_errors", "evictions", "rejected", "quarantined"],
+             "corrupt_files", "mismatched_files", "foreign_files", "write_errors",
+             "write_errors_no_space", "write_errors_permission", "write_errors_other",
+             "evictions", "rejected", "quarantined", "stale_tmp_removed"],
             0,
         )  # fmt: skip
         try:
@@ -107,13 +138,23 @@ class DiskStore:
                     continue
                 if f.name.endswith(".kv") and _KEY_RE.fullmatch(f.name[:-3]):
                     found.append((st.st_mtime, f.name[:-3], st.st_size))
-                elif f.name.endswith(".tmp") and now - st.st_mtime > self.tmp_max_age_s:
+                elif f.name.endswith(".tmp") and self._stale_tmp(f.name, now - st.st_mtime):
                     _unlink_quiet(f.path)
+                    with self._lock:
+                        self._counters["stale_tmp_removed"] += 1
         found.sort()
         with self._lock:
             self._index = OrderedDict((k, size) for _, k, size in found)
             self._bytes = sum(self._index.values())
             self._evict_locked(0)
+
+    def _stale_tmp(self, name: str, age_s: float) -> bool:
+        """A temp file nobody will finish: its writer (on this host) is dead, or it is old."""
+        m = _TMP_RE.fullmatch(name)
+        if m is not None and m.group(2) == _HOST:
+            pid = int(m.group(3))
+            return pid != os.getpid() and not _pid_alive(pid)
+        return age_s > self.tmp_max_age_s  # another host's writer (shared directory) or unknown
 
     def rescan(self) -> None:
         """Re-read the directory (e.g. after other processes wrote a lot). Not for the hot path."""
@@ -143,7 +184,8 @@ class DiskStore:
             self._counters["evictions"] += 1
             _unlink_quiet(self._file(key))  # already gone (another process evicted it) is fine
 
-    def _read_checked(self, key: str) -> tuple[dict, memoryview, int]:
+    def _read_checked(self, key: str, expect: PageId | None = None
+                      ) -> tuple[dict, memoryview, int]:
         try:
             with open(self._file(key), "rb") as f:
                 data = f.read()
@@ -151,26 +193,21 @@ class DiskStore:
             if e.errno in (errno.ENOENT, errno.ENOTDIR):
                 raise BadFile("missing", "no file") from None
             raise BadFile("corrupt", f"unreadable: {e}") from None
-        header, payload = parse_file(self.namespace, key, data)
+        header, payload = self.format.parse(key, data, expect)
         return header, payload, len(data)
 
-    def _reject(self, key: str, bad: BadFile) -> None:
-        """Count a bad file; quarantine it unless it is merely foreign (valid for someone else)."""
+    _BAD_COUNTERS = {"checksum": "checksum_failures", "corrupt": "corrupt_files",
+                     "mismatch": "mismatched_files", "foreign": "foreign_files"}
+
+    def _reject(self, key: str, bad: BadFile, repair: bool = True) -> None:
+        """Count a bad file and drop it from the index; unless it is merely foreign (valid for
+        someone else) or ``repair`` is off, quarantine it, so the page gets written again."""
         with self._lock:
-            if bad.kind == "checksum":
-                self._counters["checksum_failures"] += 1
-            elif bad.kind == "corrupt":
-                self._counters["corrupt_files"] += 1
-            elif bad.kind == "foreign":
-                # Left in place, but out of our index: our own next put() of this key re-reads
-                # the header and replaces the file (a key is ours by construction: it hashes
-                # our namespace's page chain).
-                self._counters["foreign_files"] += 1
-                self._drop_locked(key)
-                return
-            self._drop_locked(key)
-        if bad.kind != "missing":
-            log.warning("disk KV store: quarantining %s (%s)", key, bad)
+            if bad.kind in self._BAD_COUNTERS:
+                self._counters[self._BAD_COUNTERS[bad.kind]] += 1
+            self._drop_locked(key)  # a foreign file stays in place; our next put() replaces it
+        if bad.kind not in ("missing", "foreign") and repair:
+            self._log.warning("bad-file", "disk KV store: quarantining %s (%s)", key, bad)
             self._quarantine(key)
 
     def _quarantine(self, key: str) -> None:
@@ -189,47 +226,46 @@ class DiskStore:
 
     # ------------------------------------------------------------------ public API
 
-    def put(self, key: str, payload: bytes, token_count: int) -> bool:
-        """Store a page atomically. True if stored (or already present); False on any OSError."""
+    def put(self, key: str, payload: bytes, token_count: int, page: PageId | None = None) -> bool:
+        """Store a page atomically (replacing any file of that key: it may be a bad one). True
+        if stored; False if it is larger than the whole store or on any OSError."""
         self._check_open()
         if self.namespace is None:
             raise RuntimeError("a DiskStore opened without a namespace (maintenance) cannot write")
         self._check_key(key)
-        if os.path.exists(self._file(key)):
-            with self._lock:
-                if key in self._index:
-                    self._index.move_to_end(key)
-                    return True
-            if self._adopt_existing(key):
-                return True
-        else:
-            with self._lock:
-                self._drop_locked(key)  # stale: another process evicted it
-        payload = bytes(payload)
-        head = file_head(self.namespace, key, payload, token_count)
-        size = len(head) + len(payload)
+        with self._lock:
+            self._drop_locked(key)  # re-added below at its new size
+        head = self.format.head(key, len(payload), token_count, page)
+        tag = self.format.tag(head, payload)
+        size = len(head) + len(payload) + len(tag)
         if size > self.capacity_bytes:
             with self._lock:
                 self._counters["rejected"] += 1
+            self._log.warning("too-large", "disk KV store: a %d-byte file does not fit the %d-byte "
+                              "bound; not written (raise --disk-cache-gb)", size, self.capacity_bytes)
             return False
         with self._lock:
             self._evict_locked(size)
         final = self._file(key)
-        tmp = os.path.join(os.path.dirname(final), f".{key}.{os.getpid()}.{threading.get_ident()}.tmp")
+        tmp = os.path.join(os.path.dirname(final),
+                           f".{key}.{_HOST}.{os.getpid()}.{threading.get_ident()}.tmp")
         try:
             os.makedirs(os.path.dirname(final), exist_ok=True)
             with open(tmp, "wb") as f:
                 f.write(head)
                 f.write(payload)
+                f.write(tag)
                 f.flush()
                 os.fsync(f.fileno())
             os.replace(tmp, final)
         except OSError as e:
             _unlink_quiet(tmp)
+            cause = _WRITE_ERRORS.get(e.errno, "other")
             with self._lock:
                 self._counters["write_errors"] += 1
-            if e.errno not in (errno.ENOSPC, errno.EDQUOT):
-                log.warning("disk KV store: write of %s failed: %s", key, e)
+                self._counters[f"write_errors_{cause}"] += 1
+            self._log.warning(f"write-{cause}", "disk KV store: write to %s failed (%s): %s",
+                              self.path, cause, e)
             return False
         with self._lock:
             self._add_locked(key, size)
@@ -237,28 +273,19 @@ class DiskStore:
             self._counters["bytes_written"] += size
         return True
 
-    def _adopt_existing(self, key: str) -> bool:
-        """Key not indexed but maybe written by another process: keep it if its header is ours."""
-        try:
-            with open(self._file(key), "rb") as f:
-                head = f.read(PREFIX.size + 1024)
-                size = os.fstat(f.fileno()).st_size
-            header, off = parse_header(self.namespace, key, head)
-            if off + header.get("payload_len", -1) != size:
-                return False
-        except (OSError, BadFile):
-            return False  # absent, foreign or broken: (over)write it
-        with self._lock:
-            self._add_locked(key, size)
-        return True
+    def file_bytes(self, payload_len: int) -> int:
+        """Size of the file of a tree page of ``payload_len`` bytes (for capacity in pages)."""
+        return len(self.format.head("0" * 32, payload_len, 10**6, PageId(b"\0" * 16, b"\0" * 16))) \
+            + len(self.format.tag(b"")) + payload_len
 
-    def get(self, key: str, view: bool = False) -> bytes | memoryview | None:
-        """Payload bytes if present and intact, else None (bad files are counted and quarantined).
-        ``view``: a memoryview into the file's bytes instead of a copy."""
+    def get(self, key: str, view: bool = False, expect: PageId | None = None
+            ) -> bytes | memoryview | None:
+        """Payload bytes if present, intact and (given ``expect``) the page asked for, else None
+        (bad files are counted and quarantined). ``view``: a memoryview, not a copy."""
         self._check_open()
         self._check_key(key)
         try:
-            _, payload, size = self._read_checked(key)
+            _, payload, size = self._read_checked(key, expect)
         except BadFile as bad:
             with self._lock:
                 self._counters["misses"] += 1
@@ -296,20 +323,19 @@ class DiskStore:
         with self._lock:
             return key in self._index
 
-    def verify(self) -> dict[str, int]:
-        """Full check of every file (for ``deepinfer cache verify``); bad files are quarantined."""
+    def verify(self, repair: bool = False) -> dict[str, int]:
+        """Full check of every file (``deepinfer cache verify``): format, tag over header and
+        payload, namespace. ``repair``: quarantine the bad files and remove dead writers' temp
+        files too (a report only, otherwise)."""
         self._check_open()
-        report = {"checked": 0, "ok": 0, "corrupt": 0, "checksum_failures": 0, "foreign": 0, "bytes": 0}
+        report = {"checked": 0, "ok": 0, "corrupt": 0, "checksum_failures": 0, "foreign": 0,
+                  "bytes": 0, "repaired": 0}
         try:
             dirs = self._fanout_dirs()
         except OSError:
             return report
         for d in dirs:
-            try:
-                names = os.listdir(d.path)
-            except OSError:
-                continue
-            for name in names:
+            for name in _listdir_quiet(d.path):
                 key = name[:-3]
                 if not name.endswith(".kv") or not _KEY_RE.fullmatch(key):
                     continue
@@ -320,7 +346,8 @@ class DiskStore:
                         continue
                     report["checked"] += 1
                     report[{"checksum": "checksum_failures", "corrupt": "corrupt"}.get(bad.kind, "foreign")] += 1
-                    self._reject(key, bad)
+                    self._reject(key, bad, repair)
+                    report["repaired"] += repair and bad.kind != "foreign"
                     continue
                 report["checked"] += 1
                 report["ok"] += 1
@@ -328,6 +355,8 @@ class DiskStore:
                 with self._lock:
                     if key not in self._index:
                         self._add_locked(key, size)
+        if repair:
+            self.rescan()  # removes dead writers' temp files
         return report
 
     def clear(self) -> None:

@@ -33,12 +33,17 @@ has the backend copy the data in and inserts the pages into the tree.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ...log_limit import RateLimitedLog
 from ..radix import DEVICE, DISK, HOST, NUM_TIERS, TIER_NAMES, Node, RadixTree
 from .backend import LoadJob, PageSource, TierBackend
+from .page_file import PageId, page_id
+
+log = logging.getLogger(__name__)
 
 WRITE_THROUGH, WRITE_BACK, SELECTIVE = "write_through", "write_back", "selective"
 POLICIES = (WRITE_THROUGH, WRITE_BACK, SELECTIVE)
@@ -79,6 +84,9 @@ class TierManager:
         self.capacity = [0, backend.host_capacity, backend.disk_capacity]
         self.evicted = [0] * NUM_TIERS  # pages dropped per tier (demoted or gone)
         self.stale_disk_records = 0
+        self.skipped_too_large = 0  # pages of nodes larger than the whole L3 bound, not written
+        self.skipped_no_room = 0  # pages not written: the L3 pages the tree records are all locked
+        self._log = RateLimitedLog(log)
         self._disk_nodes: dict[str, Node] = {}  # L3 key -> node recording it (to forget failed writes)
 
     @property
@@ -126,16 +134,31 @@ class TierManager:
 
     def _to_disk(self, node: Node, src: list, from_host: bool) -> bool:
         n = node.num_pages
+        if n > self.capacity[DISK]:
+            self.skipped_too_large += n
+            self._log.warning("too-large", "L3: a node of %d pages is larger than the L3 bound of "
+                              "%d pages; not written (raise --disk-cache-gb, or lower "
+                              "--max-node-pages)", n, self.capacity[DISK])
+            return False
         if not self._room(DISK, n):
+            self.skipped_no_room += n
+            self._log.warning("no-room", "L3: no room for %d pages (every L3 page is locked); "
+                              "not written", n)
             return False
         keys = [self.backend.disk_key(h) for h in node.hashes]
-        ok = (self.backend.host_to_disk(src, keys) if from_host
-              else self.backend.device_to_disk(src, keys))
+        ids = self._page_ids(node.hashes, node.tokens)
+        ok = (self.backend.host_to_disk(src, keys, ids) if from_host
+              else self.backend.device_to_disk(src, keys, ids))
         if ok:
             self.tree.add_tier(node, DISK, keys)
             for k in keys:
                 self._disk_nodes[k] = node
         return ok
+
+    def _page_ids(self, hashes: list[bytes], tokens: Sequence[int] | None) -> list[PageId]:
+        ps = self.tree.page_size
+        return [page_id(h, None if tokens is None else tokens[i * ps : (i + 1) * ps])
+                for i, h in enumerate(hashes)]
 
     def _room(self, tier: int, n: int) -> bool:
         """Make ``tier`` able to take ``n`` more pages (evicting its LRU leaves)."""
@@ -179,33 +202,42 @@ class TierManager:
                     self._to_disk(node, node.tiers[HOST], from_host=True)
 
     # ---------------------------------------------------------------- loads
-    def plan(self, hashes: list[bytes], path: list[Node]) -> LoadJob | None:
-        """What to load for a lookup of ``hashes`` that matched ``path``: None if nothing."""
+    def plan(self, hashes: list[bytes], path: list[Node],
+             tokens: Sequence[int] | None = None) -> LoadJob | None:
+        """What to load for a lookup of ``hashes`` (of ``tokens``, where known) that matched
+        ``path``: None if nothing."""
         start, prefix, i = 0, [], 0
         while i < len(path) and path[i].tiers[DEVICE] is not None:
             prefix += path[i].tiers[DEVICE]
             start += path[i].num_pages
             i += 1
         sources: list[PageSource] = []
+        ids: list[PageId | None] = []
         nodes: list[Node] = []
         for node in path[i:]:
             if node.tiers[HOST] is not None:
                 sources += [(HOST, s) for s in node.tiers[HOST]]
+                ids += [None] * node.num_pages
             elif node.tiers[DISK] is not None:
                 sources += [(DISK, k) for k in node.tiers[DISK]]
+                ids += self._page_ids(node.hashes, node.tokens)
             else:  # cannot happen (a node always holds a tier), but never load past a hole
                 break
             nodes += [node] * node.num_pages
         probe: list[str] = []
+        probe_ids: list[PageId] = []
         nxt = start + len(sources)
         if self.has_disk and nxt == sum(n.num_pages for n in path) and nxt < len(hashes):
             first = self.backend.disk_key(hashes[nxt])
             if self.backend.disk_contains(first):
                 probe = [first] + [self.backend.disk_key(h) for h in hashes[nxt + 1 :]]
+                ps = self.tree.page_size
+                probe_ids = self._page_ids(hashes[nxt:], None if tokens is None
+                                           else tokens[nxt * ps : len(hashes) * ps])
         if not sources and not probe:
             return None
         job = LoadJob(sources=sources, probe=probe, start=start, prefix_pages=prefix,
-                      source_nodes=nodes)
+                      source_nodes=nodes, source_ids=ids, probe_ids=probe_ids)
         job.locked = path[-1] if path else None
         return job
 
@@ -240,4 +272,6 @@ class TierManager:
         return {"evicted": {TIER_NAMES[t]: self.evicted[t] for t in range(NUM_TIERS)},
                 "pages": {TIER_NAMES[t]: self.tree.pages_in_tier[t] for t in range(NUM_TIERS)},
                 "capacity": {TIER_NAMES[t]: self.capacity[t] for t in (HOST, DISK)},
-                "stale_disk_records": self.stale_disk_records}
+                "stale_disk_records": self.stale_disk_records,
+                "disk_skipped_too_large": self.skipped_too_large,
+                "disk_skipped_no_room": self.skipped_no_room}

@@ -39,12 +39,14 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from ...log_limit import RateLimitedLog
 from ..radix import DISK, HOST
 from .backend import MOVES, LoadJob, TierBackend
 from .codecs import Codec, get_codec
 from .disk_store import DiskStore
 from .host_store import HostStore
 from .page_bytes import KVTransfer, check_codec, decode_pages, encode_pages, page_nbytes
+from .page_file import PageId
 
 log = logging.getLogger(__name__)
 
@@ -52,13 +54,11 @@ log = logging.getLogger(__name__)
 class TierIO(TierBackend):
     """The engine's tier backend: codecs, host slots, disk files, background threads."""
 
-    FILE_OVERHEAD = 512  # header bytes per L3 file (an upper bound), for capacity in pages
-
     def __init__(self, transfer: KVTransfer, page_size: int, namespace: str, *,
                  host_bytes: int = 0, host_codec: str = "lossless",
                  disk_dir: str | os.PathLike[str] | None = None, disk_bytes: int = 0,
-                 disk_codec: str = "lossless", max_pending_bytes: int = 1 << 30,
-                 loaders: int = 2, read_ahead: int = 4) -> None:
+                 disk_codec: str = "lossless", disk_secret: bytes | None = None,
+                 max_pending_bytes: int = 1 << 30, loaders: int = 2, read_ahead: int = 4) -> None:
         self.transfer = transfer
         self.page_size = page_size
         self.shapes = transfer.shapes
@@ -85,8 +85,8 @@ class TierIO(TierBackend):
         disk_pages = 0
         self.namespace = f"{namespace}|codec={self.disk_codec.tag}"
         if use_disk:
-            self.store = DiskStore(disk_dir, disk_bytes, self.namespace)
-            disk_pages = disk_bytes // (self.disk_page_nbytes + self.FILE_OVERHEAD)
+            self.store = DiskStore(disk_dir, disk_bytes, self.namespace, secret=disk_secret)
+            disk_pages = disk_bytes // self.store.file_bytes(self.disk_page_nbytes)
         self.host_capacity = host_pages
         self.disk_capacity = disk_pages
         self.codec_tag = self.disk_codec.tag
@@ -111,6 +111,7 @@ class TierIO(TierBackend):
              "disk_files_written", "disk_files_read", "disk_writes_dropped", "disk_write_errors",
              "load_errors"], 0)  # fmt: skip
         self._side = torch.cuda.Stream(self.device) if self.cuda else None
+        self._log = RateLimitedLog(log)
         _live.add(self)
 
     # ---------------------------------------------------------------- L2 slots
@@ -194,26 +195,32 @@ class TierIO(TierBackend):
     def _reserve_disk(self, keys: list[str], nbytes: int) -> Future | None:
         need = len(keys) * nbytes
         with self._lock:
-            if self.store is None or self._closed or self._pending_bytes + need > self.max_pending_bytes:
+            refused = self.store is None or self._closed
+            full = not refused and self._pending_bytes + need > self.max_pending_bytes
+            if refused or full:
                 self.counters["disk_writes_dropped"] += len(keys)
-                return None
-            self._pending_bytes += need
-            fut: Future = Future()
-            for k in keys:
-                self._disk_pending[k] = fut
-        return fut
+            else:
+                self._pending_bytes += need
+                fut: Future = Future()
+                for k in keys:
+                    self._disk_pending[k] = fut
+                return fut
+        if full:
+            self._log.warning("queue-full", "L3 writer queue full (%d MiB pending): %d pages not "
+                              "written", self.max_pending_bytes >> 20, len(keys))
+        return None
 
-    def device_to_disk(self, pages: list[int], keys: list[str]) -> bool:
+    def device_to_disk(self, pages: list[int], keys: list[str], ids: list[PageId]) -> bool:
         fut = self._reserve_disk(keys, self.disk_page_nbytes)
         if fut is None:
             return False
         data, ev = self._capture(pages)
-        self._disk_exec.submit(self._write_disk, keys, fut,
+        self._disk_exec.submit(self._write_disk, keys, ids, fut,
                                lambda: self._encode_on_side(self.disk_codec, data, ev),
                                self.disk_page_nbytes, self.page_size)
         return True
 
-    def host_to_disk(self, slots: list[int], keys: list[str]) -> bool:
+    def host_to_disk(self, slots: list[int], keys: list[str], ids: list[PageId]) -> bool:
         assert self.host is not None
         fut = self._reserve_disk(keys, self.disk_page_nbytes)
         if fut is None:
@@ -221,8 +228,8 @@ class TierIO(TierBackend):
         # Read on the (FIFO) host writer: after the slots' own pending writes, before any
         # later write that reuses them once the caller frees them.
         rows_f = self._host_exec.submit(self._read_host_for_disk, slots)
-        self._disk_exec.submit(self._write_disk, keys, fut, rows_f.result, self.disk_page_nbytes,
-                               self.page_size)
+        self._disk_exec.submit(self._write_disk, keys, ids, fut, rows_f.result,
+                               self.disk_page_nbytes, self.page_size)
         return True
 
     def _read_host_for_disk(self, slots: list[int]) -> torch.Tensor:
@@ -232,15 +239,16 @@ class TierIO(TierBackend):
         data = decode_pages(self.host_codec, rows, self.shapes, self.dtype)
         return encode_pages(self.disk_codec, data)
 
-    def _write_disk(self, keys: list[str], fut: Future, produce: Any, nbytes: int,
-                    token_count: int, counter: str = "disk_pages_written") -> None:
-        """Write the rows of ``produce()`` ([len(keys), nbytes] uint8) as the files ``keys``."""
+    def _write_disk(self, keys: list[str], ids: list[PageId], fut: Future, produce: Any,
+                    nbytes: int, token_count: int, counter: str = "disk_pages_written") -> None:
+        """Write the rows of ``produce()`` ([len(keys), nbytes] uint8) as the files ``keys``
+        holding the pages ``ids``."""
         assert self.store is not None
         ok = [False] * len(keys)
         try:
             rows = produce().cpu().numpy()
             for i, k in enumerate(keys):
-                ok[i] = self.store.put(k, rows[i].tobytes(), token_count)
+                ok[i] = self.store.put(k, rows[i].tobytes(), token_count, ids[i])
         except Exception:  # noqa: BLE001 - a cache write must never take the engine down
             log.exception("L3 write of %d files failed", len(keys))
         with self._lock:
@@ -257,22 +265,22 @@ class TierIO(TierBackend):
         fut.set_result(None)
 
     def write_file(self, key: str, data: Callable[[], torch.Tensor], nbytes: int,
-                   token_count: int) -> bool:
+                   token_count: int, page: PageId) -> bool:
         """Write a file that is no tree page (a window snapshot): ``data()``, ``nbytes`` uint8
         made on the L3 writer thread, under the pages' back-pressure; False if refused."""
         fut = self._reserve_disk([key], nbytes)
         if fut is None:
             return False
-        self._disk_exec.submit(self._write_disk, [key], fut, lambda: data().reshape(1, -1), nbytes,
-                               token_count, "disk_files_written")
+        self._disk_exec.submit(self._write_disk, [key], [page], fut, lambda: data().reshape(1, -1),
+                               nbytes, token_count, "disk_files_written")
         return True
 
-    def read_file(self, key: str, nbytes: int) -> memoryview | None:
-        """The payload of file ``key`` if it reads back intact and ``nbytes`` long, else None.
-        Synchronous (waits for the file's pending write)."""
+    def read_file(self, key: str, nbytes: int, page: PageId) -> memoryview | None:
+        """The payload of file ``key`` if it reads back intact, ``nbytes`` long and holding
+        ``page``, else None. Synchronous (waits for the file's pending write)."""
         if self.store is None:
             return None
-        b = self._disk_get(key, nbytes)
+        b = self._disk_get(key, page, nbytes)
         if b is not None:
             with self._lock:
                 self.counters["disk_files_read"] += 1
@@ -299,17 +307,20 @@ class TierIO(TierBackend):
             self._loads_running += 1
         self._load_exec.submit(self._run_load, job)
 
-    def _disk_get(self, key: str, nbytes: int | None = None) -> memoryview | None:
-        """The payload of ``key`` if intact and ``nbytes`` (default: one page) long."""
+    def _disk_get(self, key: str, page: PageId | None, nbytes: int | None = None
+                  ) -> memoryview | None:
+        """The payload of ``key`` if intact, holding ``page`` and ``nbytes`` (default: one
+        page) long."""
         assert self.store is not None
         with self._lock:
             fut = self._disk_pending.get(key)
         if fut is not None:
             fut.result()  # written meanwhile (or failed: then the get misses)
-        b = self.store.get(key, view=True)
+        b = self.store.get(key, view=True, expect=page)
         return b if b is not None and len(b) == (nbytes or self.disk_page_nbytes) else None
 
-    def _disk_get_many(self, keys: list[str], job: LoadJob) -> list[memoryview]:
+    def _disk_get_many(self, keys: list[str], ids: list[PageId | None], job: LoadJob
+                       ) -> list[memoryview]:
         """The leading run of ``keys`` whose files read back intact, in order: up to
         ``read_ahead`` reads in flight, stopping at the first miss (the reads past it are
         wasted, and cheap)."""
@@ -317,7 +328,7 @@ class TierIO(TierBackend):
         futs: deque = deque()
         nxt = 0
         while nxt < len(keys) and len(futs) < self.read_ahead:
-            futs.append(self._io_exec.submit(self._disk_get, keys[nxt]))
+            futs.append(self._io_exec.submit(self._disk_get, keys[nxt], ids[nxt]))
             nxt += 1
         while futs:
             b = futs.popleft().result()
@@ -327,7 +338,7 @@ class TierIO(TierBackend):
                 break
             out.append(b)
             if nxt < len(keys):
-                futs.append(self._io_exec.submit(self._disk_get, keys[nxt]))
+                futs.append(self._io_exec.submit(self._disk_get, keys[nxt], ids[nxt]))
                 nxt += 1
         return out
 
@@ -347,7 +358,7 @@ class TierIO(TierBackend):
                     tiers += [HOST] * (j - i)
                 else:
                     keys = [k for _, k in src[i:j]]
-                    got = self._disk_get_many(keys, job)
+                    got = self._disk_get_many(keys, job.source_ids[i:j], job)
                     if got:
                         runs.append((DISK, got))
                         tiers += [DISK] * len(got)
@@ -356,7 +367,7 @@ class TierIO(TierBackend):
                         break
                 i = j
             if job.failed_at is None and not job.cancelled and job.probe:
-                got = self._disk_get_many(job.probe, job)
+                got = self._disk_get_many(job.probe, job.probe_ids, job)
                 if got:
                     runs.append((DISK, got))
                     tiers += [DISK] * len(got)

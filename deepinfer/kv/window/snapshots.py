@@ -28,6 +28,7 @@ from ..hashing import disk_key
 from ..tiers.backend import TierBackend
 from ..tiers.codecs import get_codec
 from ..tiers.page_bytes import decode_pages, encode_pages, page_nbytes
+from ..tiers.page_file import page_id
 
 
 @dataclass(eq=False)
@@ -135,12 +136,12 @@ class SnapshotFiles:
         if self.has(page_hash):
             return False
         return self.backend.write_file(self.key(page_hash), lambda: encode_pages(LOSSLESS, snap.data),
-                                       self.nbytes(snap.num_pages), boundary)
+                                       self.nbytes(snap.num_pages), boundary, page_id(page_hash))
 
     def read(self, page_hash: bytes, first_page: int, num_pages: int) -> WindowSnapshot | None:
         """The snapshot of pages [first_page, first_page + num_pages), None if its file is absent,
         bad or of another size."""
-        raw = self.backend.read_file(self.key(page_hash), self.nbytes(num_pages))
+        raw = self.backend.read_file(self.key(page_hash), self.nbytes(num_pages), page_id(page_hash))
         if raw is None:
             return None
         rows = torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(num_pages, -1)

@@ -112,7 +112,7 @@ def test_failed_disk_write_forgets_the_record():
             super().__init__(host_pages=0, disk_pages=100)
             self.failed = []
 
-        def device_to_disk(self, pages, keys):
+        def device_to_disk(self, pages, keys, ids):
             self.failed += keys
             return True
 

@@ -15,6 +15,7 @@ from deepinfer.kv.pool import PagePool
 from deepinfer.kv.radix import DISK, HOST
 from deepinfer.kv.tiers.backend import LoadJob
 from deepinfer.kv.tiers.page_bytes import PoolTransfer, decode_pages, encode_pages, page_nbytes
+from deepinfer.kv.tiers.page_file import page_id
 from deepinfer.kv.tiers.tier_io import TierIO
 
 PS = 4
@@ -33,6 +34,10 @@ def io(p, tmp_path=None, **kw):
     args = dict(host_bytes=1 << 20, disk_dir=tmp_path, disk_bytes=(1 << 24) if tmp_path else 0)
     args.update(kw)
     return TierIO(PoolTransfer(p), PS, "model-x", **args)
+
+
+def ids(hashes):
+    return [page_id(h) for h in hashes]
 
 
 def wait_done(job, timeout=30):
@@ -88,17 +93,19 @@ def test_host_roundtrip_and_pending_writes_are_waited_for():
 def test_disk_write_through_then_a_fresh_backend_finds_pages_by_key(tmp_path):
     src, dst = pool(0), pool(1)
     a = io(src, tmp_path, host_bytes=0)
-    keys = [a.disk_key(bytes([i]) * 16) for i in range(4)]
-    assert a.device_to_disk([1, 2, 3, 4], keys)
+    hashes = [bytes([i]) * 16 for i in range(4)]
+    keys = [a.disk_key(h) for h in hashes]
+    assert a.device_to_disk([1, 2, 3, 4], keys, ids(hashes))
     assert a.disk_contains(keys[0])  # pending counts as present, and a load waits for it
-    job = LoadJob(sources=[], probe=keys)
+    job = LoadJob(sources=[], probe=keys, probe_ids=ids(hashes))
     a.start_load(job)
     wait_done(job)
     assert job.num_loaded == 4
     assert a.close()
     b = io(dst, tmp_path, host_bytes=0)  # "another process": empty state, same directory
     assert b.disk_contains(keys[2])
-    job = LoadJob(sources=[], probe=keys + [a.disk_key(b"\x09" * 16)])
+    job = LoadJob(sources=[], probe=keys + [a.disk_key(b"\x09" * 16)],
+                  probe_ids=ids(hashes + [b"\x09" * 16]))
     b.start_load(job)
     wait_done(job)
     assert job.num_loaded == 4 and job.failed_at is None  # the probe stops at the first miss
@@ -114,14 +121,15 @@ def test_other_files_write_in_the_background_and_read_back_checked(tmp_path):
     a = io(pool(), tmp_path, host_bytes=0)
     key = a.disk_key(b"\x05" * 16) + "ff"  # any hex key apart from the pages'
     payload = torch.arange(40, dtype=torch.uint8)
-    assert a.write_file(key, lambda: payload, 40, token_count=8)
+    page = page_id(b"\x05" * 16)
+    assert a.write_file(key, lambda: payload, 40, token_count=8, page=page)
     assert a.disk_contains(key, indexed=True)  # pending counts as present
     assert a.close()
     assert a.stats()["disk_files_written"] == 1 and a.stats()["disk_pages_written"] == 0
     b = io(pool(), tmp_path, host_bytes=0)
     assert b.disk_contains(key, indexed=True) and not b.disk_contains("ab" * 16, indexed=True)
-    assert bytes(b.read_file(key, 40)) == bytes(range(40))
-    assert b.read_file(key, 41) is None and b.read_file("ab" * 16, 40) is None
+    assert bytes(b.read_file(key, 40, page)) == bytes(range(40))
+    assert b.read_file(key, 41, page) is None and b.read_file("ab" * 16, 40, page) is None
     assert b.stats()["disk_files_read"] == 1
     b.close()
 
@@ -131,13 +139,14 @@ def test_l2_to_l3_transcodes_between_codecs(tmp_path):
     t = io(src, tmp_path, host_codec="lossless", disk_codec="fp8")
     slots = t.host_alloc(2)
     t.device_to_host([1, 2], slots)
-    keys = [t.disk_key(b"\x01" * 16), t.disk_key(b"\x02" * 16)]
-    assert t.host_to_disk(slots, keys)
+    hashes = [b"\x01" * 16, b"\x02" * 16]
+    keys = [t.disk_key(h) for h in hashes]
+    assert t.host_to_disk(slots, keys, ids(hashes))
     t.host_free(slots)  # freed at once: the read happens first (FIFO host worker)
     s2 = t.host_alloc(2)
     t.device_to_host([5, 6], s2)  # reuses the slots
     assert t.flush()
-    job = LoadJob(sources=[(DISK, k) for k in keys])
+    job = LoadJob(sources=[(DISK, k) for k in keys], source_ids=ids(hashes))
     t.start_load(job)
     wait_done(job)
     assert job.num_loaded == 2
@@ -156,15 +165,16 @@ def test_failed_and_dropped_writes(tmp_path, monkeypatch):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(ds.os, "fsync", full)
-    keys = [t.disk_key(bytes([i]) * 16) for i in range(2)]
-    assert t.device_to_disk([1, 2], keys)
+    hashes = [bytes([i]) * 16 for i in range(2)]
+    keys = [t.disk_key(h) for h in hashes]
+    assert t.device_to_disk([1, 2], keys, ids(hashes))
     assert t.flush()
     assert sorted(t.poll_failed_writes()) == sorted(keys)
     assert t.stats()["disk_write_errors"] == 2
     assert not [f for f in tmp_path.rglob("*") if f.is_file()]  # temp files removed
     monkeypatch.undo()
     tiny = io(p, tmp_path, host_bytes=0, max_pending_bytes=10)
-    assert not tiny.device_to_disk([1], [keys[0]])
+    assert not tiny.device_to_disk([1], [keys[0]], ids(hashes[:1]))
     assert tiny.stats()["disk_writes_dropped"] == 1
     t.close()
     tiny.close()
@@ -173,14 +183,15 @@ def test_failed_and_dropped_writes(tmp_path, monkeypatch):
 def test_corrupt_file_stops_the_load_and_is_counted(tmp_path):
     p = pool()
     t = io(p, tmp_path, host_bytes=0)
-    keys = [t.disk_key(bytes([i]) * 16) for i in range(3)]
-    t.device_to_disk([1, 2, 3], keys)
+    hashes = [bytes([i]) * 16 for i in range(3)]
+    keys = [t.disk_key(h) for h in hashes]
+    t.device_to_disk([1, 2, 3], keys, ids(hashes))
     t.flush()
     f = tmp_path / keys[1][:2] / f"{keys[1]}.kv"
     data = bytearray(f.read_bytes())
     data[-5] ^= 0xFF
     f.write_bytes(bytes(data))
-    job = LoadJob(sources=[(DISK, k) for k in keys])
+    job = LoadJob(sources=[(DISK, k) for k in keys], source_ids=ids(hashes))
     t.start_load(job)
     wait_done(job)
     assert job.num_loaded == 1 and job.failed_at == 1
@@ -194,7 +205,7 @@ def test_unusable_directory_degrades_to_misses(tmp_path):
     p = pool()
     t = io(p, blocker / "kv", host_bytes=0)
     k = t.disk_key(b"\x01" * 16)
-    assert t.device_to_disk([1], [k])
+    assert t.device_to_disk([1], [k], ids([b"\x01" * 16]))
     t.flush()
     assert t.poll_failed_writes() == [k] and not t.disk_contains(k)
     t.close()
@@ -211,8 +222,8 @@ def test_close_flushes_and_is_idempotent(tmp_path):
     t = io(p, tmp_path, host_bytes=0)
     keys = [t.disk_key(bytes([i]) * 16) for i in range(8)]
     for i, k in enumerate(keys):
-        t.device_to_disk([1 + i], [k])
+        t.device_to_disk([1 + i], [k], ids([bytes([i]) * 16]))
     assert t.close() and t.close()
     assert len(list(tmp_path.glob("??/*.kv"))) == 8
-    assert not t.device_to_disk([1], [t.disk_key(b"\x77" * 16)])  # closed: refused, not raised
+    assert not t.device_to_disk([1], [t.disk_key(b"\x77" * 16)], ids([b"\x77" * 16]))  # closed: refused, not raised
     assert os.path.isdir(tmp_path)

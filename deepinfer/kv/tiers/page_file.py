@@ -1,0 +1,146 @@
+"""The L3 page file format, bound to the page it holds.
+
+A file is::
+
+    b"DIKV" | version: u16 | header_len: u32 | header JSON | payload | tag
+
+The header holds ``namespace`` (model + layout + codec + page size), ``key`` (the file name),
+``token_count``, ``payload_len``, ``page`` (hex of the chained page hash the payload is the KV
+of), ``tokens`` (hex digest of the page's token ids; null for files that are no tree page, such
+as window snapshots) and ``tag_alg``. The tag covers everything before it, header included, so
+no header field can change without the reader noticing, and a reader checks ``page`` and
+``tokens`` against the page it asked for: a file moved into another page's place is a miss.
+
+``tag_alg`` is ``crc32`` (zlib's CRC-32, 4 bytes) without a secret: it catches bit flips, torn
+and truncated writes and misplaced files, but anyone who can write the directory can compute
+it, so it does not stop a deliberate forgery. With a secret (``--kv-store-secret``) it is
+``blake2b-keyed`` (BLAKE2b-256 keyed with the secret, 32 bytes): a file nobody without the key
+could have made. A store with a secret refuses unkeyed files and vice versa (both are
+"foreign": a miss, replaced by the next write of that page).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import struct
+import zlib
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+MAGIC = b"DIKV"
+FORMAT_VERSION = 2  # 1: checksum over the payload only, no page binding (read as foreign)
+PREFIX = struct.Struct("<4sHI")  # magic, version, header_len
+MAX_HEADER = 64 * 1024
+CRC32, KEYED = "crc32", "blake2b-keyed"
+_TAG_BYTES = {CRC32: 4, KEYED: 32}
+
+
+@dataclass(frozen=True)
+class PageId:
+    """What a page file must hold: the page's chained hash and, where known, the digest of
+    its token ids (``tokens_digest``)."""
+
+    page_hash: bytes
+    tokens_digest: bytes | None = None
+
+
+def page_id(page_hash: bytes, tokens: Sequence[int] | None = None) -> PageId:
+    if tokens is None:
+        return PageId(page_hash)
+    h = hashlib.blake2b(digest_size=16, person=b"deepinfer-toks")
+    h.update(array("q", tokens).tobytes())
+    return PageId(page_hash, h.digest())
+
+
+class BadFile(Exception):
+    """A file that cannot be used. kind: 'corrupt' | 'checksum' | 'mismatch' (another page's)
+    | 'foreign' (another namespace, format or tag algorithm) | 'missing'."""
+
+    def __init__(self, kind: str, why: str) -> None:
+        super().__init__(why)
+        self.kind = kind
+
+
+class PageFormat:
+    """Writes and checks page files of one namespace (None: any, for maintenance)."""
+
+    def __init__(self, namespace: str | None, secret: bytes | None = None) -> None:
+        self.namespace = namespace
+        self.secret = secret or None
+        self.tag_alg = KEYED if self.secret else CRC32
+
+    def head(self, key: str, payload_len: int, token_count: int, page: PageId | None) -> bytes:
+        """Everything before the payload (written separately: no copy of a large page)."""
+        header = json.dumps(
+            {"namespace": self.namespace, "key": key, "token_count": int(token_count),
+             "payload_len": payload_len,
+             "page": page.page_hash.hex() if page else None,
+             "tokens": page.tokens_digest.hex() if page and page.tokens_digest else None,
+             "tag_alg": self.tag_alg},
+            separators=(",", ":"),
+        ).encode()  # fmt: skip
+        return PREFIX.pack(MAGIC, FORMAT_VERSION, len(header)) + header
+
+    def tag(self, *parts: bytes | memoryview, alg: str | None = None) -> bytes:
+        alg = alg or self.tag_alg
+        if alg == KEYED:
+            h = hashlib.blake2b(key=self.secret, digest_size=32, person=b"deepinfer-l3")
+            for p in parts:
+                h.update(p)
+            return h.digest()
+        crc = 0
+        for p in parts:
+            crc = zlib.crc32(p, crc)
+        return crc.to_bytes(4, "little")
+
+    def parse_header(self, key: str, data: bytes | memoryview) -> tuple[dict, int]:
+        """-> (header, payload offset). Raises BadFile. Works on a prefix of the file too."""
+        if len(data) < PREFIX.size:
+            raise BadFile("corrupt", "empty or truncated prefix")
+        magic, version, hlen = PREFIX.unpack_from(data)
+        if magic != MAGIC:
+            raise BadFile("corrupt", "bad magic")
+        if version != FORMAT_VERSION:
+            raise BadFile("foreign", f"format version {version}")
+        if hlen > MAX_HEADER or PREFIX.size + hlen > len(data):
+            raise BadFile("corrupt", "truncated header")
+        try:
+            header = json.loads(bytes(data[PREFIX.size : PREFIX.size + hlen]))
+            if not isinstance(header, dict):
+                raise ValueError("header is not an object")
+        except ValueError as e:
+            raise BadFile("corrupt", f"bad header: {e}") from None
+        if header.get("key") != key:
+            raise BadFile("corrupt", "key mismatch")
+        if not isinstance(header.get("payload_len"), int) or header.get("tag_alg") not in _TAG_BYTES:
+            raise BadFile("corrupt", "bad header fields")
+        return header, PREFIX.size + hlen
+
+    def parse(self, key: str, data: bytes, expect: PageId | None = None
+              ) -> tuple[dict, memoryview]:
+        """Check a whole file: -> (header, payload). Raises BadFile. Namespace and tag
+        algorithm are checked after the tag, so a damaged header is a checksum failure."""
+        header, off = self.parse_header(key, data)
+        alg = header["tag_alg"]
+        n_tag = _TAG_BYTES[alg]
+        if off + header["payload_len"] + n_tag != len(data):
+            raise BadFile("corrupt", "length mismatch (truncated?)")
+        if alg == KEYED and self.secret is None:
+            raise BadFile("foreign", "keyed file, and this store has no secret")
+        mv = memoryview(data)
+        if not hmac.compare_digest(self.tag(mv[: len(data) - n_tag], alg=alg), mv[len(data) - n_tag :]):
+            raise BadFile("checksum", "tag mismatch (damaged, or written without the secret)")
+        if self.secret is not None and alg != KEYED:
+            raise BadFile("foreign", "unkeyed file, and this store requires the secret")
+        if self.namespace is not None and header.get("namespace") != self.namespace:
+            raise BadFile("foreign", f"namespace {header.get('namespace')!r}")
+        if expect is not None:
+            if header.get("page") != expect.page_hash.hex():
+                raise BadFile("mismatch", "the file holds another page")
+            if expect.tokens_digest is not None and header.get("tokens") is not None \
+                    and header["tokens"] != expect.tokens_digest.hex():
+                raise BadFile("mismatch", "the file holds other token ids")
+        return header, mv[off : off + header["payload_len"]]
