@@ -1,0 +1,75 @@
+"""Throughput of the L3 file tag: CRC-32 (default) vs keyed BLAKE2b (--kv-store-secret).
+
+Two measures, each side run interleaved with the other in every round (best of the rounds):
+the tag alone over SmolLM2-135M page payloads (16 tokens, fp32: 737,280 bytes), and
+``DiskStore.get`` of such files from the page cache (read + parse + tag check). Run:
+
+    python benchmarks/l3_tag.py [--rounds 5] [--files 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from deepinfer.kv.tiers.disk_store import DiskStore  # noqa: E402
+from deepinfer.kv.tiers.page_file import PageFormat, page_id  # noqa: E402
+
+PAGE_BYTES = 16 * 30 * 2 * 3 * 64 * 4  # SmolLM2-135M, page 16, fp32
+
+
+def cpu_model() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+        return next(l.split(":", 1)[1].strip() for l in out.splitlines() if l.startswith("Model name"))
+    except (OSError, subprocess.CalledProcessError, StopIteration):
+        return platform.processor() or "unknown"
+
+
+def best_gbs(fn, nbytes: int, rounds: list[float]) -> None:
+    t0 = time.perf_counter()
+    fn()
+    rounds.append(nbytes / (time.perf_counter() - t0) / 1e9)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--files", type=int, default=64)
+    args = ap.parse_args()
+    payload = os.urandom(PAGE_BYTES)
+    formats = {"crc32": PageFormat("ns"), "blake2b-keyed": PageFormat("ns", b"secret")}
+    tag = {name: [] for name in formats}
+    get = {name: [] for name in formats}
+    with tempfile.TemporaryDirectory() as d:
+        stores = {name: DiskStore(Path(d) / name, 1 << 40, "ns", secret=f.secret)
+                  for name, f in formats.items()}
+        keys = [f"{i:032x}" for i in range(args.files)]
+        for s in stores.values():
+            for i, k in enumerate(keys):
+                s.put(k, payload, 16, page_id(bytes(16), [i]))
+        for _ in range(args.rounds):
+            for name, fmt in formats.items():
+                best_gbs(lambda: [fmt.tag(payload) for _ in range(args.files)],
+                         PAGE_BYTES * args.files, tag[name])
+                s = stores[name]
+                best_gbs(lambda: [s.get(k, view=True) for k in keys], PAGE_BYTES * args.files,
+                         get[name])
+    print(f"CPU: {cpu_model()}; {args.files} files of {PAGE_BYTES:,} B, best of {args.rounds} "
+          "interleaved rounds, one thread")
+    for name in formats:
+        print(f"  {name:14s} tag {max(tag[name]):6.2f} GB/s   DiskStore.get {max(get[name]):6.2f} GB/s")
+    ratio = max(tag["blake2b-keyed"]) / max(tag["crc32"])
+    print(f"  keyed / crc32: tag {ratio:.2f}x, get {max(get['blake2b-keyed']) / max(get['crc32']):.2f}x")
+
+
+if __name__ == "__main__":
+    main()
