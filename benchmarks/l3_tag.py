@@ -21,7 +21,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from deepinfer.kv.tiers.disk_store import DiskStore  # noqa: E402
-from deepinfer.kv.tiers.page_file import PageFormat, page_id  # noqa: E402
+from deepinfer.kv.tiers.disk_file import PageFormat, page_id  # noqa: E402
 
 PAGE_BYTES = 16 * 30 * 2 * 3 * 64 * 4  # SmolLM2-135M, page 16, fp32
 

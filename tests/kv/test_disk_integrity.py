@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from deepinfer.kv.tiers.disk_store import DiskStore
-from deepinfer.kv.tiers.page_file import PREFIX, PageFormat, page_id
+from deepinfer.kv.tiers.disk_file import PREFIX, PageFormat, page_id
 
 NS = "model=abc;codec=lossless;page=4"
 REPO = Path(__file__).resolve().parents[2]

@@ -17,7 +17,7 @@ import torch
 
 from ..hashing import disk_key
 from ..radix import TIER_NAMES, Node
-from .page_file import PageId
+from .disk_file import PageId
 
 DiskKey = str | bytes  # an L3 key (``disk_key``; the planner uses the page hash itself)
 PageSource = tuple[int, int | DiskKey]  # (tier, L2 slot or L3 key) of a page to load
@@ -31,7 +31,7 @@ class LoadJob:
 
     sources: list[PageSource]
     probe: list[DiskKey] = field(default_factory=list)
-    # the page each L3 file must hold (``page_file.py``): per source (None for L2), per probe key
+    # the page each L3 file must hold (``disk_file.py``): per source (None for L2), per probe key
     source_ids: list[PageId | None] = field(default_factory=list)
     probe_ids: list[PageId] = field(default_factory=list)
     t_start: float = field(default_factory=time.perf_counter)

@@ -3,7 +3,7 @@
 Layout: ``<dir>/<key[:2]>/<key>.kv`` (fan-out keeps directories small). The file format, and
 how a file is bound to the page it holds (a tag over header and payload; the header names the
 chained page hash and a digest of the token ids, checked against what the reader asked for),
-is ``page_file.py``.
+is ``disk_file.py``.
 
 Safety rules, because this is a cache and the engine must keep serving:
 
@@ -37,7 +37,7 @@ import time
 from collections import OrderedDict
 
 from ...log_limit import RateLimitedLog
-from .page_file import BadFile, PageFormat, PageId
+from .disk_file import BadFile, PageFormat, PageId
 
 __all__ = ["DiskStore"]
 
@@ -69,7 +69,7 @@ class DiskStore:
     ``namespace=None`` opens the directory for maintenance (``deepinfer cache verify|stats|clear``):
     files of every namespace are accepted and checked, nothing can be written. Mind that opening
     evicts down to ``capacity_bytes``: maintenance opens with an unbounded capacity. ``secret``
-    makes every tag a keyed MAC (``page_file.py``).
+    makes every tag a keyed MAC (``disk_file.py``).
     """
 
     def __init__(

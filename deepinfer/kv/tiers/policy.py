@@ -41,7 +41,7 @@ from typing import Any
 from ...log_limit import RateLimitedLog
 from ..radix import DEVICE, DISK, HOST, NUM_TIERS, TIER_NAMES, Node, RadixTree
 from .backend import LoadJob, PageSource, TierBackend
-from .page_file import PageId, page_id
+from .disk_file import PageId, page_id
 
 log = logging.getLogger(__name__)
 

@@ -46,7 +46,7 @@ from .codecs import Codec, get_codec
 from .disk_store import DiskStore
 from .host_store import HostStore
 from .page_bytes import KVTransfer, check_codec, decode_pages, encode_pages, page_nbytes
-from .page_file import PageId
+from .disk_file import PageId
 
 log = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ from ..hashing import disk_key
 from ..tiers.backend import TierBackend
 from ..tiers.codecs import get_codec
 from ..tiers.page_bytes import decode_pages, encode_pages, page_nbytes
-from ..tiers.page_file import page_id
+from ..tiers.disk_file import page_id
 
 
 @dataclass(eq=False)

@@ -15,7 +15,7 @@ from deepinfer.kv.pool import PagePool
 from deepinfer.kv.radix import DISK, HOST
 from deepinfer.kv.tiers.backend import LoadJob
 from deepinfer.kv.tiers.page_bytes import PoolTransfer, decode_pages, encode_pages, page_nbytes
-from deepinfer.kv.tiers.page_file import page_id
+from deepinfer.kv.tiers.disk_file import page_id
 from deepinfer.kv.tiers.tier_io import TierIO
 
 PS = 4
