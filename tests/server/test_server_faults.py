@@ -48,6 +48,9 @@ def test_a_request_failed_inside_the_engine_is_a_500_for_it_alone(srv, monkeypat
         assert hc.get("/health").status_code == 200
         assert metric(hc, "request_errors_total") == 1
         assert metric(hc, "failed_requests_total") == 1
+        assert srv.async_engine.engine.tiers.disk_capacity > 0  # L3 on: its losses are shown
+        assert 'deepinfer:cache_disk_write_losses_by_reason_total{model_name="' in \
+            hc.get("/metrics").text
     wait_idle(srv)
 
 

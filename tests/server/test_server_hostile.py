@@ -203,3 +203,24 @@ def test_fuzz_server_never_answers_5xx(server, body, path):
         assert code == 200
     finally:
         conn.close()
+
+
+# ------------------------------------------------------------------ the official client
+OPENAI_HOSTILE = [
+    (dict(temperature=1e-300), "temperature"), (dict(top_p=1e-300), "top_p"),
+    (dict(seed=2**64), "seed"), (dict(extra_body={"top_k": 2**63}), "top_k"),
+    (dict(extra_body={"stop_token_ids": [10**6]}), "stop_token_ids"),
+    (dict(messages=[{"role": "bogus", "content": "hi"}]), "messages[0].role"),
+]
+
+
+@pytest.mark.parametrize("kw,param", OPENAI_HOSTILE, ids=[p for _, p in OPENAI_HOSTILE])
+def test_openai_client_gets_400_naming_the_field(client, model_name, kw, param):
+    import openai
+
+    args = {"model": model_name, "messages": MSGS, "max_tokens": 2, **kw}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(**args)
+    assert e.value.body["param"] == param
+    ok = client.chat.completions.create(model=model_name, messages=MSGS, max_tokens=2)
+    assert ok.usage.completion_tokens >= 1
