@@ -58,6 +58,6 @@ def test_tiers_only_when_a_lower_tier_and_the_prefix_cache_are_on(tmp_path):
                             disk_cache_gb=2**-10), pool, "m")
     try:
         assert io is not None and io.host_capacity == 2**20 // 1024
-        assert io.disk_capacity == 2**20 // (1024 + io.FILE_OVERHEAD) and io.store is not None
+        assert io.store is not None and io.disk_capacity == 2**20 // io.store.file_bytes(1024)
     finally:
         io.close()

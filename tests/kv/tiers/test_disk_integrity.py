@@ -22,7 +22,7 @@ from deepinfer.kv.tiers.disk_store import DiskStore
 from deepinfer.kv.tiers.disk_file import PREFIX, PageFormat, page_id
 
 NS = "model=abc;codec=lossless;page=4"
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def page(i: int):
