@@ -19,6 +19,8 @@ from .layers.rotary import RotaryEmbedding
 from .layers.sampler import SampleResult, sample
 from .loader.quantized import dequantized
 from .models.registry import model_class
+from .quant.kernels import plan_quantization
+from .quant.linear import quantize_model
 from .request import Request
 
 if TYPE_CHECKING:
@@ -30,6 +32,8 @@ class ModelRunner:
         self.config = config
         self.device = config.torch_device()
         self.dtype = config.torch_dtype()
+        self.quant_plan = plan_quantization(config.quantization, config.quantization_kernel,
+                                            self.device, self.dtype)
         self.model = self._build_model(ckpt, max_model_len)
         self.specs = self.model.kv_specs()
         self.page_size = config.page_size
@@ -55,6 +59,7 @@ class ModelRunner:
         if self.config.progress:
             weights = tqdm(weights, desc=f"loading {ckpt.name}", unit=" tensors", leave=False)
         model.load_weights(weights)  # copies cast each tensor into its parameter's dtype
+        quantize_model(model, self.quant_plan, skip=model.unquantized_linears)
         return model.eval()
 
     # ------------------------------------------------------------------ batch
