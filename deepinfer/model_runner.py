@@ -20,7 +20,9 @@ from .layers.sampler import SampleResult, sample
 from .loader.quantized import dequantized
 from .models.registry import model_class
 from .quant.kernels import plan_quantization
+from .quant.gguf_blocks import gguf_weights, linear_weights
 from .quant.linear import quantize_model
+from .quant.weights import QuantizedWeight
 from .request import Request
 
 if TYPE_CHECKING:
@@ -59,8 +61,18 @@ class ModelRunner:
         if self.config.progress:
             weights = tqdm(weights, desc=f"loading {ckpt.name}", unit=" tensors", leave=False)
         model.load_weights(weights)  # copies cast each tensor into its parameter's dtype
-        quantize_model(model, self.quant_plan, skip=model.unquantized_linears)
+        quantize_model(model, self.quant_plan, skip=model.unquantized_linears,
+                       prequantized=self._checkpoint_blocks(ckpt, model))
         return model.eval()
+
+    def _checkpoint_blocks(self, ckpt: Checkpoint, model) -> dict[str, QuantizedWeight]:
+        """A GGUF's own quantized blocks for the linear layers (fbgemm wants per-channel int8,
+        which they are not: it re-quantizes)."""
+        plan = self.quant_plan
+        if plan.scheme == "none" or plan.kernel == "fbgemm" or ckpt.gguf is None:
+            return {}
+        bits = 8 if plan.scheme == "int8" else 4
+        return linear_weights(model, gguf_weights(ckpt.path, ckpt.gguf, bits))
 
     # ------------------------------------------------------------------ batch
     def prepare(self, items: list[tuple[Request, int]]) -> tuple[ForwardBatch, list[Request]]:

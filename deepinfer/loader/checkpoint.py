@@ -29,6 +29,7 @@ class Checkpoint:
     tokenizer: PreTrainedTokenizerBase
     fingerprint: str  # hex content hash of the weight files: the model's identity for the KV cache
     eos_token_ids: list[int]
+    gguf: Path | None = None  # the source GGUF, whose quantized blocks --quantization can load as they are
 
     def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF parameter name, tensor) pairs in the stored dtype, read one at a time from the files."""
@@ -96,4 +97,6 @@ def _load_gguf(gguf: Path, name: str, progress: bool) -> Checkpoint:
     target = converted_gguf_dir(gguf)
     if not target.is_dir():  # complete if present: conversions appear by atomic rename
         convert_gguf(gguf, target, progress=progress)
-    return load_folder(target, name)
+    ckpt = load_folder(target, name)
+    ckpt.gguf = gguf
+    return ckpt

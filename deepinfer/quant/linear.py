@@ -16,9 +16,7 @@ from torch import nn
 
 from ..layers.linear import FusedLinear, SplitOutputs
 from .kernels import QuantPlan, fbgemm_engine
-from .weights import Int4Weight, Int8Weight, quantize_int4, quantize_int8
-
-QuantizedWeight = Int8Weight | Int4Weight
+from .weights import QuantizedWeight, GROUP, quantize_int4, quantize_int8
 
 
 class QuantizedLinear(SplitOutputs, nn.Module):
@@ -32,18 +30,19 @@ class QuantizedLinear(SplitOutputs, nn.Module):
         self.out_features = sum(out_sizes)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         if kernel == "fbgemm":
-            if not isinstance(weight, Int8Weight):
-                raise ValueError("the fbgemm kernel runs int8 weights only")
+            if weight.bits != 8 or weight.group != weight.shape[1] or weight.offset is not None:
+                raise ValueError("the fbgemm kernel runs symmetric per-channel int8 weights only")
+            scale = weight.scale[:, 0].double()
             with warnings.catch_warnings():  # torch marks its quantized tensors as deprecated
                 warnings.simplefilter("ignore")
                 qw = torch._make_per_channel_quantized_tensor(
-                    weight.q, weight.scale.double(), torch.zeros_like(weight.scale, dtype=torch.long), 0)
+                    weight.codes, scale, torch.zeros_like(scale, dtype=torch.long), 0)
                 self._packed = torch.ops.quantized.linear_prepack(
                     qw, None if bias is None else bias.float())
         elif kernel == "tinygemm":
-            if not isinstance(weight, Int4Weight):
-                raise ValueError("the tinygemm kernel runs int4 weights only")
-            self._packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(weight.codes().int(), 1)
+            if weight.bits != 4 or weight.offset is None:
+                raise ValueError("the tinygemm kernel runs asymmetric int4 weights only")
+            self._packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(weight.values().int(), 1)
             # tinygemm de-quantizes (q - 8) * scale + zero, ours q * scale + offset
             zero = weight.offset + 8 * weight.scale
             self._scales_zeros = torch.stack((weight.scale, zero), -1).transpose(0, 1).contiguous()
@@ -52,7 +51,7 @@ class QuantizedLinear(SplitOutputs, nn.Module):
             self.weight = weight
         else:
             raise ValueError(f"unknown quantization kernel {kernel!r}")
-        self.scheme = "int8" if isinstance(weight, Int8Weight) else "int4"
+        self.scheme = f"int{weight.bits}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead, k = x.shape[:-1], x.shape[-1]
@@ -72,15 +71,17 @@ class QuantizedLinear(SplitOutputs, nn.Module):
         return f"out_features={self.out_features}, scheme={self.scheme}, kernel={self.kernel}"
 
 
-def quantize_weight(w: torch.Tensor, scheme: str) -> QuantizedWeight:
-    return quantize_int8(w) if scheme == "int8" else quantize_int4(w)
+def quantize_weight(w: torch.Tensor, plan: QuantPlan) -> QuantizedWeight:
+    if plan.scheme == "int4":
+        return quantize_int4(w)
+    return quantize_int8(w, group=None if plan.kernel == "fbgemm" else GROUP)
 
 
 def quantize_model(model: nn.Module, plan: QuantPlan, skip: tuple[str, ...] = (),
                    prequantized: dict[str, QuantizedWeight] | None = None) -> int:
     """Replace each ``nn.Linear`` (names matching a ``skip`` regex excepted) by a
-    ``QuantizedLinear``; ``prequantized`` maps a module name to a weight already in ``plan.scheme``
-    (from the checkpoint's own blocks). Returns the number of layers replaced."""
+    ``QuantizedLinear``; ``prequantized`` maps a module name to a weight the checkpoint already
+    holds quantized (its own blocks, kept at their precision). Returns the number of layers replaced."""
     if plan.scheme == "none":
         return 0
     if plan.kernel == "fbgemm":
@@ -89,10 +90,13 @@ def quantize_model(model: nn.Module, plan: QuantPlan, skip: tuple[str, ...] = ()
     targets = [(name, m) for name, m in model.named_modules()
                if isinstance(m, nn.Linear) and not any(re.search(p, name) for p in skip)]
     for name, linear in targets:
-        weight = prequantized.get(name) or quantize_weight(linear.weight.data, plan.scheme)
+        weight = prequantized.get(name)
+        if weight is None or weight.shape != tuple(linear.weight.shape):
+            weight = quantize_weight(linear.weight.data, plan)
         bias = None if linear.bias is None else linear.bias.data
         out_sizes = linear.out_sizes if isinstance(linear, FusedLinear) else [linear.out_features]
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name)
-        setattr(parent, attr, QuantizedLinear(weight, bias, plan.kernel, out_sizes))
+        kernel = "dequant" if plan.kernel == "tinygemm" and weight.bits != 4 else plan.kernel
+        setattr(parent, attr, QuantizedLinear(weight, bias, kernel, out_sizes))
     return len(targets)

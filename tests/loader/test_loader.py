@@ -211,7 +211,7 @@ def test_interrupted_conversion_leaves_nothing(tiny_model, tmp_path, monkeypatch
     monkeypatch.undo()
     ckpt = load_checkpoint(gguf, progress=False)
     assert sorted(os.listdir(ckpt.path)) == [
-        "chat_template.jinja", "config.json", "generation_config.json",
+        "chat_template.jinja", "config.json", "generation_config.json", "gguf_blocks.json",
         "model.safetensors", "tokenizer.json", "tokenizer_config.json",
     ]
 

@@ -8,32 +8,37 @@ import torch.nn.functional as F
 from torch import nn
 
 from deepinfer.quant.kernels import QuantPlan, fbgemm_engine, plan_quantization
-from deepinfer.quant.linear import QuantizedLinear, quantize_model
-from deepinfer.quant.weights import pack_int4, quantize_int4, quantize_int8
+from deepinfer.quant.linear import QuantizedLinear, quantize_model, quantize_weight
+from deepinfer.quant.weights import QuantizedWeight, pack_int4, quantize_int4, quantize_int8
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 CPU = torch.device("cpu")
 
 
-def test_int8_round_trip_within_half_a_step_per_channel():
+@pytest.mark.parametrize("group", [None, 32])
+def test_int8_round_trip_within_half_a_step(group):
     w = torch.randn(48, 96) * torch.linspace(0.01, 3, 48)[:, None]
-    q = quantize_int8(w)
-    assert q.q.dtype == torch.int8 and q.scale.shape == (48,)
-    err = (q.dequantize(torch.float32) - w).abs()
-    assert torch.all(err <= q.scale[:, None] / 2 + 1e-6)
-    assert torch.equal(q.q.abs().amax(dim=1), torch.full((48,), 127, dtype=torch.int8))
+    q = quantize_int8(w, group)
+    groups = 96 // (group or 96)
+    assert q.codes.dtype == torch.int8 and q.scale.shape == (48, groups)
+    assert (q.offset is None) == (group is None)  # per channel: symmetric, for fbgemm
+    err = (q.dequantize(torch.float32) - w).abs().view(48, groups, -1)
+    assert torch.all(err <= q.scale[..., None] / 2 + 1e-6)
+    codes = q.codes.view(48, groups, -1).int()
+    assert torch.all(codes.abs().amax(dim=-1) == 127) if group is None else \
+        torch.all((codes.amin(dim=-1) == -128) & (codes.amax(dim=-1) == 127))
 
 
 def test_int4_round_trip_within_half_a_step_per_group():
     w = torch.randn(16, 128)
     q = quantize_int4(w)
-    assert q.packed.shape == (16, 64) and q.scale.shape == (16, 4)
+    assert q.codes.shape == (16, 64) and q.scale.shape == (16, 4) and q.shape == (16, 128)
     err = (q.dequantize(torch.float32) - w).abs().view(16, 4, 32)
     assert torch.all(err <= q.scale[..., None] / 2 + 1e-6)
     codes = torch.randint(0, 16, (3, 64), dtype=torch.uint8)
     packed = pack_int4(codes)
-    assert torch.equal(type(q)(packed, q.scale[:3, :2], q.offset[:3, :2]).codes(), codes)
-    with pytest.raises(ValueError, match="divisible by 32"):
+    assert torch.equal(QuantizedWeight(packed, q.scale[:3, :2], q.offset[:3, :2], 4, 32).values(), codes)
+    with pytest.raises(ValueError, match="divisible by the quantization group"):
         quantize_int4(torch.randn(4, 40))
 
 
@@ -48,7 +53,7 @@ def test_kernels_match_the_dequantized_weight(scheme, kernel, dtype, tol):
     quantize_model(model, QuantPlan(scheme, kernel))
     layer = model[0]
     assert isinstance(layer, QuantizedLinear) and layer.kernel == kernel
-    w = (quantize_int8 if scheme == "int8" else quantize_int4)(linear.weight.data).dequantize(torch.float32)
+    w = quantize_weight(linear.weight.data, QuantPlan(scheme, kernel)).dequantize(torch.float32)
     x = torch.randn(2, 5, 128)
     ref = F.linear(x, w, linear.bias.data)
     y = layer(x.to(dtype))
