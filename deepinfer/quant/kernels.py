@@ -1,6 +1,6 @@
 """Which matmul kernel runs a quantized linear layer on this machine, checked at start-up.
 
-Candidates that ship with torch (``bench/quant_kernels.py`` times them against fp32 ``F.linear``):
+Candidates that ship with torch (``benchmarks/quant_kernels.py`` times them against fp32 ``F.linear``):
 
 - ``fbgemm``: ``torch.ops.quantized.linear_dynamic`` on int8 weights prepacked for the x86
   quantized engine. Faster than fp32 ``F.linear`` at every M measured, but it also quantizes
