@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from deepinfer.kv.accuracy import compare
+from deepinfer.bench.accuracy import compare
 
 DATA = Path(__file__).parent.parent / "data" / "smollm2_greedy256.json"
 ENGINE = dict(progress=False, host_cache_gb=0, enable_disk_cache=False, enable_prefix_cache=False)
