@@ -47,6 +47,7 @@ from deepinfer.loader.eos import gguf_eos_ids
 from deepinfer.quant.gguf_blocks import BLOCK_TYPES, BLOCKS_FILE, block_row_order
 
 WEIGHTS_FILE = "model.safetensors"
+CONVERSION_VERSION = 2  # 2: gguf_blocks.json added
 
 
 def _register_block_sizes() -> None:

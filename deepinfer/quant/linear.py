@@ -93,6 +93,7 @@ def quantize_model(model: nn.Module, plan: QuantPlan, skip: tuple[str, ...] = ()
         weight = prequantized.get(name)
         if weight is None or weight.shape != tuple(linear.weight.shape):
             weight = quantize_weight(linear.weight.data, plan)
+        weight = weight.to(linear.weight.device)  # checkpoint blocks are read on the host
         bias = None if linear.bias is None else linear.bias.data
         out_sizes = linear.out_sizes if isinstance(linear, FusedLinear) else [linear.out_features]
         parent_name, _, attr = name.rpartition(".")

@@ -31,6 +31,10 @@ class QuantizedWeight:
         n, k = self.codes.shape
         return n, k * 2 if self.bits == 4 else k
 
+    def to(self, device: torch.device) -> QuantizedWeight:
+        offset = None if self.offset is None else self.offset.to(device)
+        return QuantizedWeight(self.codes.to(device), self.scale.to(device), offset, self.bits, self.group)
+
     def values(self) -> torch.Tensor:
         """The codes ``q`` unpacked, [N, K]."""
         if self.bits == 8:
