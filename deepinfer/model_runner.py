@@ -61,7 +61,7 @@ class ModelRunner:
         if self.config.progress:
             weights = tqdm(weights, desc=f"loading {ckpt.name}", unit=" tensors", leave=False)
         model.load_weights(weights)  # copies cast each tensor into its parameter's dtype
-        quantize_model(model, self.quant_plan, skip=model.unquantized_linears,
+        quantize_model(model, self.quant_plan, skip=model.unquantized_linears + model.fp32_params,
                        prequantized=self._checkpoint_blocks(ckpt, model))
         return model.eval()
 

@@ -79,7 +79,8 @@ def quantize_weight(w: torch.Tensor, plan: QuantPlan) -> QuantizedWeight:
 
 def quantize_model(model: nn.Module, plan: QuantPlan, skip: tuple[str, ...] = (),
                    prequantized: dict[str, QuantizedWeight] | None = None) -> int:
-    """Replace each ``nn.Linear`` (names matching a ``skip`` regex excepted) by a
+    """Replace each ``nn.Linear`` (those whose ``<name>.weight`` matches a ``skip`` regex, and layers narrower than a
+    whole number of quantization groups, excepted) by a
     ``QuantizedLinear``; ``prequantized`` maps a module name to a weight the checkpoint already
     holds quantized (its own blocks, kept at their precision). Returns the number of layers replaced."""
     if plan.scheme == "none":
@@ -87,8 +88,10 @@ def quantize_model(model: nn.Module, plan: QuantPlan, skip: tuple[str, ...] = ()
     if plan.kernel == "fbgemm":
         torch.backends.quantized.engine = fbgemm_engine()
     prequantized = prequantized or {}
+    grouped = plan.kernel != "fbgemm"  # fbgemm's int8 is per channel: any width
     targets = [(name, m) for name, m in model.named_modules()
-               if isinstance(m, nn.Linear) and not any(re.search(p, name) for p in skip)]
+               if isinstance(m, nn.Linear) and not any(re.search(p, f"{name}.weight") for p in skip)
+               and not (grouped and m.in_features % GROUP)]  # (tiny test models) stay float
     for name, linear in targets:
         weight = prequantized.get(name)
         if weight is None or weight.shape != tuple(linear.weight.shape):
