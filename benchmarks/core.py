@@ -10,6 +10,8 @@ what to compare: this machine is shared and noisy.
 
 from __future__ import annotations
 
+import deepinfer  # noqa: F401  (first: sets the OpenMP wait policy before torch loads)
+
 import argparse
 import json
 import time

@@ -13,10 +13,20 @@ from .sampling_params import SamplingParams
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
+    from .quant.kernels import KERNELS, QUANTIZATIONS
+
     d = EngineConfig()
     p.add_argument("--model", default=None, help="local HF folder or .gguf (default: embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", default=d.dtype, help="auto | float32 | float16 | bfloat16")
+    p.add_argument("--dtype", default=d.dtype, help="auto (bfloat16 on CUDA and on CPUs with native "
+                   "bf16 matmul, AMX or AVX512-BF16; else float32) | float32 | float16 | bfloat16")
     p.add_argument("--device", default=d.device, help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--threads", type=int, default=None,
+                   help="compute threads (default: the cores this process may run on)")
+    p.add_argument("--quantization", default=d.quantization, choices=QUANTIZATIONS,
+                   help="weight-only quantization of every linear layer, LM head included")
+    p.add_argument("--quantization-kernel", default=d.quantization_kernel, choices=KERNELS,
+                   help="auto: the fastest kernel that keeps activations in float; fbgemm (int8, "
+                        "fast, also quantizes activations: lossy); tinygemm (int4, bf16); dequant")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--page-size", type=int, default=d.page_size)
     p.add_argument("--num-pages", type=int, default=None, help="device KV pool size in pages")
@@ -79,7 +89,9 @@ def add_secret_arg(p) -> None:
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
-        model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+        model=args.model, dtype=args.dtype, device=args.device, threads=args.threads,
+        quantization=args.quantization, quantization_kernel=args.quantization_kernel,
+        max_model_len=args.max_model_len,
         page_size=args.page_size, num_pages=args.num_pages,
         kv_cache_memory_gb=args.kv_cache_memory_gb, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,

@@ -15,8 +15,11 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.flo
 @dataclass
 class EngineConfig:
     model: str | None = None  # local HF folder or .gguf file; None = embedded SmolLM2-135M-Instruct
-    dtype: str = "auto"  # auto: float32 on CPU (no bf16 units), bfloat16 on CUDA
+    dtype: str = "auto"  # auto: bfloat16 on CUDA and on CPUs with native bf16 matmul, else float32
     device: str = "auto"  # auto: cuda if available else cpu
+    threads: int | None = None  # intra-op compute threads; None: the cores this process may use
+    quantization: str = "none"  # weight-only: none | int8 | int4 (every linear layer, LM head too)
+    quantization_kernel: str = "auto"  # auto (fastest here) | fbgemm | tinygemm | dequant
     max_model_len: int | None = None  # default: the model's max_position_embeddings, capped at 8192
     # 16 tokens per page: a hit is lost at most 15 tokens short of the true prefix, while a page
     # of SmolLM2 KV (30 layers) is still 1.5 MB at fp32, large enough for efficient tier I/O.
@@ -78,6 +81,15 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 0")
         if self.window_snapshot_gb < 0:
             raise ValueError("window_snapshot_gb must be >= 0")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads}")
+        from .quant.kernels import KERNELS, QUANTIZATIONS
+
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
+        if self.quantization_kernel not in KERNELS:
+            raise ValueError(f"quantization_kernel must be one of {', '.join(KERNELS)}, "
+                             f"got {self.quantization_kernel!r}")
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be auto or one of {sorted(_DTYPES)}, got {self.dtype!r}")
 
@@ -96,7 +108,9 @@ class EngineConfig:
 
     def torch_dtype(self) -> torch.dtype:
         if self.dtype == "auto":
-            return torch.bfloat16 if self.torch_device().type == "cuda" else torch.float32
+            from .hardware import auto_dtype
+
+            return auto_dtype(self.torch_device())
         return _DTYPES[self.dtype]
 
 

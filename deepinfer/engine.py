@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -24,6 +25,7 @@ import torch
 
 from .config import EngineConfig
 from .errors import RequestError
+from .hardware import describe_device
 from .kv.build import build_cache_manager, build_tiers
 from .kv.layout import describe
 from .kv.radix import DEVICE, TIER_NAMES
@@ -36,6 +38,7 @@ from .model_runner import ModelRunner
 from .request import Request, SampleGroup
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
+from .threads import apply_thread_policy
 
 if TYPE_CHECKING:
     from .structured.grammar import GrammarCompiler
@@ -71,6 +74,7 @@ class RequestOutput:
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        self.thread_policy = apply_thread_policy(config.threads)
         ckpt = load_checkpoint(config.model, progress=config.progress)
         self.model_name = ckpt.name
         self.checkpoint_path = ckpt.path
@@ -86,9 +90,15 @@ class LLMEngine:
         elif capacity < self.max_model_len:
             raise ValueError(f"KV pool holds {capacity} tokens, less than max_model_len="
                              f"{self.max_model_len}; raise --num-pages/--kv-cache-memory-gb")
+        quant = self.runner.quant_plan
         self.model_identity = "|".join([
             ckpt.fingerprint, describe(self.runner.pool.specs), str(self.runner.dtype),
-            f"page{config.page_size}"])
+            f"page{config.page_size}"] + ([f"{quant.scheme}-{quant.kernel}"] if quant.scheme != "none" else []))
+        self.startup_summary = (f"{describe_device(self.runner.device)}; dtype "
+                                f"{str(self.runner.dtype).removeprefix('torch.')} ({config.dtype}); "
+                                f"{self.thread_policy.describe()}; {quant.describe()}")
+        if config.progress:
+            print(f"deepinfer: {self.startup_summary}", file=sys.stderr)
         self.tiers = build_tiers(config, self.runner.pool, self.model_identity)
         self.kv = build_cache_manager(config, self.runner.device_kv, self.model_identity, self.tiers)
         self.scheduler = Scheduler(config, self.kv)

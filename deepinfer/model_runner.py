@@ -19,6 +19,10 @@ from .layers.rotary import RotaryEmbedding
 from .layers.sampler import SampleResult, sample
 from .loader.quantized import dequantized
 from .models.registry import model_class
+from .quant.kernels import plan_quantization
+from .quant.gguf_blocks import gguf_weights, linear_weights
+from .quant.linear import quantize_model
+from .quant.weights import QuantizedWeight
 from .request import Request
 
 if TYPE_CHECKING:
@@ -30,6 +34,8 @@ class ModelRunner:
         self.config = config
         self.device = config.torch_device()
         self.dtype = config.torch_dtype()
+        self.quant_plan = plan_quantization(config.quantization, config.quantization_kernel,
+                                            self.device, self.dtype)
         self.model = self._build_model(ckpt, max_model_len)
         self.specs = self.model.kv_specs()
         self.page_size = config.page_size
@@ -55,7 +61,18 @@ class ModelRunner:
         if self.config.progress:
             weights = tqdm(weights, desc=f"loading {ckpt.name}", unit=" tensors", leave=False)
         model.load_weights(weights)  # copies cast each tensor into its parameter's dtype
+        quantize_model(model, self.quant_plan, skip=model.unquantized_linears + model.fp32_params,
+                       prequantized=self._checkpoint_blocks(ckpt, model))
         return model.eval()
+
+    def _checkpoint_blocks(self, ckpt: Checkpoint, model) -> dict[str, QuantizedWeight]:
+        """A GGUF's own quantized blocks for the linear layers (fbgemm wants per-channel int8,
+        which they are not: it re-quantizes)."""
+        plan = self.quant_plan
+        if plan.scheme == "none" or plan.kernel == "fbgemm" or ckpt.gguf is None:
+            return {}
+        bits = 8 if plan.scheme == "int8" else 4
+        return linear_weights(model, gguf_weights(ckpt.path, ckpt.gguf, bits))
 
     # ------------------------------------------------------------------ batch
     def prepare(self, items: list[tuple[Request, int]]) -> tuple[ForwardBatch, list[Request]]:

@@ -9,7 +9,16 @@ import torch
 from torch import nn
 
 
-class FusedLinear(nn.Linear):
+class SplitOutputs:
+    """A layer whose output concatenates shards of ``out_sizes`` columns (q|k|v, gate|up)."""
+
+    out_sizes: list[int]
+
+    def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return y.split(self.out_sizes, dim=-1)
+
+
+class FusedLinear(SplitOutputs, nn.Linear):
     """One matmul producing several outputs; shard ``i`` occupies rows ``offsets[i]:...``."""
 
     def __init__(self, in_features: int, out_sizes: list[int], bias: bool = False) -> None:
@@ -20,6 +29,3 @@ class FusedLinear(nn.Linear):
     def load_shard(self, shard: int, name: str, tensor: torch.Tensor) -> None:
         rows = slice(self.offsets[shard], self.offsets[shard] + self.out_sizes[shard])
         getattr(self, name).data[rows].copy_(tensor)
-
-    def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return y.split(self.out_sizes, dim=-1)

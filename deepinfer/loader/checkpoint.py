@@ -14,7 +14,7 @@ from deepinfer.loader.cache import cache_dir
 from deepinfer.loader.default_model import DEFAULT_MODEL_NAME, default_model_path
 from deepinfer.loader.eos import checkpoint_eos_ids
 from deepinfer.loader.fingerprint import file_digest, fingerprint
-from deepinfer.loader.gguf_convert import convert_gguf
+from deepinfer.loader.gguf_convert import CONVERSION_VERSION, convert_gguf
 
 SHARD_INDEX = "model.safetensors.index.json"
 
@@ -29,6 +29,7 @@ class Checkpoint:
     tokenizer: PreTrainedTokenizerBase
     fingerprint: str  # hex content hash of the weight files: the model's identity for the KV cache
     eos_token_ids: list[int]
+    gguf: Path | None = None  # the source GGUF, whose quantized blocks --quantization can load as they are
 
     def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(HF parameter name, tensor) pairs in the stored dtype, read one at a time from the files."""
@@ -88,12 +89,15 @@ def weight_files(folder: Path) -> list[Path]:
 
 
 def converted_gguf_dir(gguf: Path) -> Path:
-    """Where the HF copy of a GGUF lives: keyed by content, so an edited file is converted again."""
-    return cache_dir() / "models" / f"{gguf.stem}-{file_digest(gguf)[:16]}"
+    """Where the HF copy of a GGUF lives: keyed by content, so an edited file is converted again,
+    and by the conversion's format version, so a copy missing newer files is converted again too."""
+    return cache_dir() / "models" / f"{gguf.stem}-{file_digest(gguf)[:16]}-v{CONVERSION_VERSION}"
 
 
 def _load_gguf(gguf: Path, name: str, progress: bool) -> Checkpoint:
     target = converted_gguf_dir(gguf)
     if not target.is_dir():  # complete if present: conversions appear by atomic rename
         convert_gguf(gguf, target, progress=progress)
-    return load_folder(target, name)
+    ckpt = load_folder(target, name)
+    ckpt.gguf = gguf
+    return ckpt

@@ -8,9 +8,12 @@ path parses the whole metadata, vocabulary included, three times (about 6 s each
 and rebuilds gguf's tensor-name table once per submodule; we also want our own progress bar.
 
 Weights are saved as float32: the GGUF is quantised, and float32 holds its de-quantised values exactly.
+Next to them, ``gguf_blocks.json`` says where each Q8_0/Q4 tensor's blocks are in the GGUF, so
+``--quantization`` loads those blocks as they are instead of re-quantizing the float copy.
 """
 
 import functools
+import json
 import os
 import shutil
 import tempfile
@@ -41,8 +44,10 @@ from transformers.modeling_gguf_pytorch_utils import (
 from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING
 
 from deepinfer.loader.eos import gguf_eos_ids
+from deepinfer.quant.gguf_blocks import BLOCK_TYPES, BLOCKS_FILE, block_row_order
 
 WEIGHTS_FILE = "model.safetensors"
+CONVERSION_VERSION = 2  # 2: gguf_blocks.json added
 
 
 def _register_block_sizes() -> None:
@@ -83,7 +88,7 @@ def convert_gguf(gguf: Path, target: Path, progress: bool = True) -> None:
         bar.update()
 
         bar.set_postfix_str("tensors")
-        tensors = _dequantized_tensors(header, architecture, parsed, skeleton, bar)
+        tensors, blocks = _dequantized_tensors(header, architecture, parsed, skeleton, bar)
 
         bar.set_postfix_str("tokenizer")
         tokenizer = _gguf_tokenizer(gguf, config)
@@ -95,13 +100,14 @@ def convert_gguf(gguf: Path, target: Path, progress: bool = True) -> None:
         bar.update()
 
         bar.set_postfix_str("writing")
-        _write_atomically(target, tensors, config, tokenizer, generation_config)
+        _write_atomically(target, tensors, blocks, config, tokenizer, generation_config)
         bar.update()
 
 
 def _write_atomically(
     target: Path,
     tensors: dict[str, torch.Tensor],
+    blocks: dict[str, dict],
     config: PretrainedConfig,
     tokenizer: PreTrainedTokenizerBase,
     generation_config: GenerationConfig,
@@ -112,6 +118,7 @@ def _write_atomically(
         # A single metadata key: safetensors writes them in (per-process random) hash order, and
         # the fingerprint is over the bytes, so two keys made identical weights hash differently.
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        (tmp / BLOCKS_FILE).write_text(json.dumps({"tensors": blocks}))
         config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         generation_config.save_pretrained(tmp)
@@ -126,8 +133,9 @@ def _write_atomically(
 
 def _dequantized_tensors(
     header: GgufHeader, architecture: str, parsed: dict, skeleton: torch.nn.Module, bar: tqdm
-) -> dict[str, torch.Tensor]:
-    """HF name -> float32 tensor, through transformers' name map and tensor processor for the architecture.
+) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
+    """HF name -> float32 tensor, through transformers' name map and tensor processor for the
+    architecture; and HF name -> where the tensor's quantized blocks are (``quant/gguf_blocks.py``).
 
     Mirrors the tensor loop of `load_gguf_checkpoint`; processors that assemble one HF tensor from
     several GGUF ones (MoE experts) write into `parsed["tensors"]` themselves, hence the shared dict.
@@ -138,6 +146,7 @@ def _dequantized_tensors(
     with mock.patch.object(gguf_py, "get_tensor_name_map", functools.cache(gguf_py.get_tensor_name_map)):
         name_map = get_gguf_hf_weights_map(skeleton, processor)
     parsed["tensors"] = tensors = {}
+    block_map: dict[str, dict] = {}
     raw = load_gguf_state_dict(header)
     for info in header.tensors:
         # bytes laid out row by row; gguf's dequantize turns (rows, row_bytes) into (rows, columns)
@@ -148,8 +157,21 @@ def _dequantized_tensors(
         )
         if result.name in name_map:  # tensors the model has no parameter for (e.g. rope_freqs) are dropped
             tensors[name_map[result.name]] = torch.from_numpy(np.array(result.weights, dtype=np.float32))
+            qtype = GGMLQuantizationType(info.ggml_type).name
+            if qtype in BLOCK_TYPES and len(info.shape) == 2:
+                order = block_row_order(functools.partial(_process_alone, processor, info.name, name_map,
+                                                          parsed["config"]), info.shape[0])
+                if order is not False:
+                    block_map[name_map[result.name]] = {"gguf": info.name, "type": qtype, "rows": order}
         bar.update()
-    return tensors
+    return tensors, block_map
+
+
+def _process_alone(processor: TensorProcessor, name: str, name_map: dict, config: dict,
+                   weights: np.ndarray) -> np.ndarray:
+    """The processor applied to stand-in ``weights`` without touching the real parsed tensors."""
+    return processor.process(weights=weights, name=name, tensor_key_mapping=name_map,
+                             parsed_parameters={"config": config, "tensors": {}}).weights
 
 
 def _gguf_tokenizer(gguf: Path, config: PretrainedConfig) -> PreTrainedTokenizerBase:

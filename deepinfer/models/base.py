@@ -26,6 +26,10 @@ class CausalLM(nn.Module):
     ignored_weights: tuple[str, ...] = (r"rotary_emb\.inv_freq",)
     # Parameters (regexes over our names) that stay float32 whatever the model dtype.
     fp32_params: tuple[str, ...] = ()
+    # Linear layers (regexes over their weights' names) that ``--quantization`` leaves as they are:
+    # those whose weight the model reads directly, and MoE routers (routing decisions are fragile).
+    # Layers matching ``fp32_params`` stay unquantized too.
+    unquantized_linears: tuple[str, ...] = ()
 
     def __init__(self, config, model: nn.Module) -> None:
         super().__init__()

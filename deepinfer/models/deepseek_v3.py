@@ -216,6 +216,7 @@ class DeepseekModel(nn.Module):
 
 
 class DeepseekV3ForCausalLM(CausalLM):
+    unquantized_linears = (r"\.kv_b_proj\.weight$",)  # absorbed MLA reads its weight per head
     version = 3
     fused_shards = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
     # The router as transformers keeps it: expert choice compares scores + bias in float32, and a

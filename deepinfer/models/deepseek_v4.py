@@ -286,6 +286,7 @@ class V4Model(nn.Module):
 
 
 class DeepseekV4ForCausalLM(CausalLM):
+    unquantized_linears = (r"\.o_a_proj\.weight$",)  # the grouped output projection reads its weight per group
     fp32_params = (r"(attn_hc|ffn_hc|hc_head)\.", r"\.sinks$", r"position_bias$", r"norm\.weight$",
                    r"\.mlp\.gate\.(weight|e_score_correction_bias)$")
 

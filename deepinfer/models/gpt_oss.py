@@ -103,6 +103,7 @@ class GptOssModel(nn.Module):
 
 
 class GptOssForCausalLM(CausalLM):
+    unquantized_linears = (r"\.router\.weight$",)
     fused_shards = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2)}
 
     def __init__(self, config, max_positions: int) -> None:

@@ -16,6 +16,7 @@ import deepinfer.loader.fingerprint as fingerprint_module
 import deepinfer.loader.gguf_convert as gguf_convert_module
 from deepinfer.loader import DEFAULT_MODEL_NAME, Checkpoint, default_model_path, load_checkpoint
 from deepinfer.loader.fingerprint import file_digest
+from deepinfer.loader.gguf_convert import CONVERSION_VERSION
 
 from loader_helpers import (
     byte_level_tokens,
@@ -157,7 +158,7 @@ def test_gguf_conversion_undoes_llama_cpp_permutation(tiny_gguf, deepinfer_cache
     ckpt = load_checkpoint(gguf, progress=False)
     assert ckpt.name == "tiny-llama.F32"
     assert ckpt.path.parent == deepinfer_cache_dir / "models"
-    assert ckpt.path.name == f"tiny-llama.F32-{file_digest(gguf)[:16]}"
+    assert ckpt.path.name == f"tiny-llama.F32-{file_digest(gguf)[:16]}-v{CONVERSION_VERSION}"
     assert ckpt.config.architectures == ["LlamaForCausalLM"]
     assert ckpt.config.num_attention_heads == 4 and ckpt.config.num_key_value_heads == 2
     assert_same_weights(ckpt, model.state_dict())  # F32 GGUF: the original weights, bit for bit
@@ -211,7 +212,7 @@ def test_interrupted_conversion_leaves_nothing(tiny_model, tmp_path, monkeypatch
     monkeypatch.undo()
     ckpt = load_checkpoint(gguf, progress=False)
     assert sorted(os.listdir(ckpt.path)) == [
-        "chat_template.jinja", "config.json", "generation_config.json",
+        "chat_template.jinja", "config.json", "generation_config.json", "gguf_blocks.json",
         "model.safetensors", "tokenizer.json", "tokenizer_config.json",
     ]
 

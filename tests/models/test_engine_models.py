@@ -39,3 +39,21 @@ def test_generate_matches_transformers(arch, tmp_path):
             for _ in range(8):
                 seq.append(int(hf(torch.tensor([seq])).logits[0, -1].argmax()))
         assert list(out.token_ids) == seq[len(ids):]
+
+
+@pytest.mark.parametrize("arch", list(MAKERS))
+def test_int8_weights_on_every_family(arch, tmp_path):
+    """--quantization int8 swaps every linear layer the family lets it (not those whose weight
+    the model reads directly, nor routers) and stays close to the float logits."""
+    from deepinfer.quant.linear import QuantizedLinear
+
+    path = make_checkpoint(tmp_path, MAKERS[arch]().config)
+    ids = list(range(5, 30))
+    logits = {}
+    for scheme in ("none", "int8"):
+        llm = LLM(model=str(path), dtype="float32", device="cpu", page_size=4, num_pages=64,
+                  progress=False, quantization=scheme, host_cache_gb=0, enable_disk_cache=False)
+        logits[scheme] = llm.engine.score([ids])[0][0]
+    assert any(isinstance(m, QuantizedLinear) for m in llm.engine.runner.model.modules())
+    scale = logits["none"].abs().max()  # (a near-tie in a tiny MoE's routing can flip an expert)
+    assert (logits["int8"] - logits["none"]).abs().max() <= 0.1 * scale

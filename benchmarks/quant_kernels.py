@@ -1,0 +1,85 @@
+"""Candidate quantized matmul kernels that ship with torch vs fp32 ``F.linear``, interleaved in one
+process: the measurement behind ``deepinfer/quant/kernels.py``'s choices.
+
+Each row: one weight shape of SmolLM2-135M (N x K) and M activation rows; each cell: fp32 time /
+kernel time (> 1: the kernel is faster), best of ``--rounds`` interleaved rounds.
+
+    python benchmarks/quant_kernels.py [--threads 1] [--rounds 5] [--quick]
+"""
+
+from __future__ import annotations
+
+import deepinfer  # noqa: F401  (first: sets the OpenMP wait policy before torch loads)
+
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+from execution import cpu_model
+
+from deepinfer.quant.kernels import QuantPlan
+from deepinfer.quant.linear import QuantizedLinear, quantize_weight
+
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]  # qkv, o, gate|up, down, head
+
+
+def per_call(fn, reps: int) -> float:
+    fn()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - t0) / reps
+
+
+def candidates(w: torch.Tensor) -> dict:
+    """Kernel name -> (callable of x, activation dtype)."""
+    out = {"fbgemm int8 (lossy)": QuantizedLinear(quantize_weight(w, QuantPlan("int8", "fbgemm")), None,
+                                                  "fbgemm", [w.shape[0]])}
+    for scheme in ("int8", "int4"):
+        out[f"dequant {scheme}"] = QuantizedLinear(quantize_weight(w, QuantPlan(scheme, "dequant")), None,
+                                                   "dequant", [w.shape[0]])
+    out["tinygemm int4 (bf16 in)"] = QuantizedLinear(quantize_weight(w, QuantPlan("int4", "tinygemm")),
+                                                     None, "tinygemm", [w.shape[0]])
+    q8 = quantize_weight(w, QuantPlan("int8", "fbgemm"))
+    out["_weight_int8pack_mm (fp32 in)"] = lambda x: torch.ops.aten._weight_int8pack_mm(
+        x, q8.codes, q8.scale[:, 0])
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--quick", action="store_true", help="one shape, one round (a smoke run)")
+    args = ap.parse_args()
+    shapes = SHAPES[:1] if args.quick else SHAPES
+    if args.quick:
+        args.rounds, args.reps = 1, 2
+    torch.set_num_threads(args.threads)
+    print(f"CPU: {cpu_model()}, torch {torch.__version__} ({torch.backends.cpu.get_cpu_capability()}), "
+          f"{args.threads} thread(s); fp32 time / kernel time")
+    rows = []
+    with torch.inference_mode():
+        for n, k in shapes:
+            w = torch.randn(n, k) / k ** 0.5
+            kernels = candidates(w)
+            for m in (1, 8, 32, 512):
+                x = torch.randn(m, k)
+                xb = x.bfloat16()
+                fns = [lambda: F.linear(x, w)] + [
+                    (lambda f=f: f(xb)) if "bf16" in name else (lambda f=f: f(x)) for name, f in kernels.items()]
+                best = [float("inf")] * len(fns)
+                for _ in range(args.rounds):
+                    for i, fn in enumerate(fns):
+                        best[i] = min(best[i], per_call(fn, args.reps))
+                rows.append((f"{n}x{k}", m, [best[0] / b for b in best[1:]]))
+    names = list(candidates(torch.randn(32, 32)))
+    print("| weight | M | " + " | ".join(names) + " |\n|---|---|" + "---|" * len(names))
+    for shape, m, ratios in rows:
+        print(f"| {shape} | {m} | " + " | ".join(f"{r:.2f}x" for r in ratios) + " |")
+
+
+if __name__ == "__main__":
+    main()

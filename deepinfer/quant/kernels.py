@@ -1,0 +1,83 @@
+"""Which matmul kernel runs a quantized linear layer on this machine, checked at start-up.
+
+Candidates that ship with torch (``benchmarks/quant_kernels.py`` times them against fp32 ``F.linear``):
+
+- ``fbgemm``: ``torch.ops.quantized.linear_dynamic`` on int8 weights prepacked for the x86
+  quantized engine. Faster than fp32 ``F.linear`` at every M measured, but it also quantizes
+  its activations (uint8, one scale per call, 7-bit range against AVX2's 16-bit overflow), and the
+  outlier channels of LLM activations make that lossy (README: SmolLM2's teacher-forced
+  argmax agreement with fp32 collapses). So it is opt-in (``--quantization-kernel fbgemm``), never auto.
+- ``tinygemm``: ``aten._weight_int4pack_mm_for_cpu``, group-wise int4 weights with bf16
+  activations; auto on CPUs with native bf16 matmul when the model runs in bf16. Where bf16 is
+  emulated (AVX2) it was slower than fp32; with fp32 activations (and likewise
+  ``aten._weight_int8pack_mm``) many times slower, so never used that way.
+- ``dequant``: de-quantize the weight into the activation dtype at each call, then ``F.linear``.
+  Runs on every device (CUDA included) and keeps activations exact; the weights take 1 (int8) or
+  about 0.6 (int4) bytes per value in memory, but each call is slower than an unquantized layer.
+
+``plan_quantization`` picks per scheme and device; when the wanted kernel is missing it falls back
+and says so in ``QuantPlan.note``, which the engine prints at start-up.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..hardware import cpu_isa
+
+QUANTIZATIONS = ("none", "int8", "int4")
+KERNELS = ("auto", "fbgemm", "tinygemm", "dequant")
+
+
+@dataclass(frozen=True)
+class QuantPlan:
+    scheme: str  # what the weights are stored as: none | int8 | int4
+    kernel: str  # what runs them: none | fbgemm | tinygemm | dequant
+    note: str = ""  # why the plan differs from the request, or ""
+
+    def describe(self) -> str:
+        text = "unquantized" if self.scheme == "none" else f"{self.scheme} weights, {self.kernel} kernel"
+        return f"{text} ({self.note})" if self.note else text
+
+
+def fbgemm_engine() -> str | None:
+    """The quantized engine whose prepacked int8 linear runs here, or None."""
+    if not torch._C._dispatch_has_kernel_for_dispatch_key("quantized::linear_dynamic", "CPU"):
+        return None
+    engines = torch.backends.quantized.supported_engines
+    return next((e for e in ("x86", "fbgemm") if e in engines), None)
+
+
+def has_tinygemm_cpu() -> bool:
+    return torch._C._dispatch_has_kernel_for_dispatch_key("aten::_weight_int4pack_mm_for_cpu", "CPU")
+
+
+def plan_quantization(scheme: str, kernel: str, device: torch.device, dtype: torch.dtype) -> QuantPlan:
+    """The kernel for ``scheme``; ``kernel="auto"``: the fastest one that keeps activations in
+    float (``fbgemm`` is opt-in, see the module docstring). Missing kernels fall back to ``dequant``."""
+    if scheme not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {scheme!r}")
+    if kernel not in KERNELS:
+        raise ValueError(f"quantization kernel must be one of {', '.join(KERNELS)}, got {kernel!r}")
+    if scheme == "none":
+        return QuantPlan("none", "none")
+    if kernel == "fbgemm" and scheme != "int8" or kernel == "tinygemm" and scheme != "int4":
+        raise ValueError(f"the {kernel} kernel does not run {scheme} weights")
+    cpu = device.type == "cpu"
+    if kernel == "fbgemm":
+        if cpu and fbgemm_engine() is not None:
+            return QuantPlan("int8", "fbgemm", "activations quantized per call too: lossy")
+        return QuantPlan("int8", "dequant", f"no fbgemm int8 kernel on this {device.type}; "
+                                            "de-quantizing per matmul instead")
+    tinygemm_ok = cpu and has_tinygemm_cpu() and dtype == torch.bfloat16
+    if scheme == "int4" and tinygemm_ok and (kernel == "tinygemm" or cpu_isa().native_bf16):
+        return QuantPlan("int4", "tinygemm")
+    if kernel == "tinygemm":
+        return QuantPlan("int4", "dequant", "tinygemm needs a CPU and --dtype bfloat16; "
+                                            "de-quantizing per matmul instead")
+    note = "" if kernel == "dequant" else (
+        f"no {scheme} kernel here keeps activations in float and beats {str(dtype).removeprefix('torch.')}; "
+        "de-quantizing per matmul: smaller weights, not faster")
+    return QuantPlan(scheme, "dequant", note)
