@@ -13,10 +13,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 
-def render_text(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> str:
+def render_text(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
+                tools: list[dict] | None = None) -> str:
+    """The chat template's text; ``tools`` (OpenAI function tools) go to the template's own
+    ``tools`` argument, so the model sees them the way it was trained to."""
     if not messages:
         raise ValueError("messages must not be empty")
-    return tokenizer.apply_chat_template(messages, tokenize=False,
+    return tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False,
                                          add_generation_prompt=add_generation_prompt)
 
 
@@ -36,14 +39,14 @@ class Extension:
 
 def extend_prompt(tokenizer, prev_messages: list[dict], prev_prompt_ids: list[int],
                   reply_ids: list[int], messages: list[dict],
-                  end_ids: Iterable[int] = ()) -> Extension:
+                  end_ids: Iterable[int] = (), tools: list[dict] | None = None) -> Extension:
     """Token ids of ``messages`` that extend ``prev_prompt_ids + reply_ids`` where possible.
 
     ``prev_messages`` rendered to ``prev_prompt_ids``; ``reply_ids`` were generated after it
     (ending with an end-of-turn id from ``end_ids`` when the model stopped by itself).
     """
-    base = render_text(tokenizer, prev_messages)
-    full = render_text(tokenizer, messages)
+    base = render_text(tokenizer, prev_messages, tools=tools)
+    full = render_text(tokenizer, messages, tools=tools)
     end_ids = set(end_ids)
     body = reply_ids[:-1] if reply_ids and reply_ids[-1] in end_ids else reply_ids
     reply_text = tokenizer.decode(body, skip_special_tokens=False)

@@ -299,6 +299,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from .server.app import run_server
     from .server.config import server_config
 
+    if args.model_tag is not None:  # ``deepinfer serve MODEL``, as ``vllm serve MODEL``
+        if args.model is not None and args.model != args.model_tag:
+            raise ValueError(f"the model is given twice: {args.model_tag!r} and --model "
+                             f"{args.model!r}")
+        args.model = args.model_tag
     return run_server(engine_config(args), server_config(args))
 
 
@@ -325,6 +330,8 @@ def build_parser() -> argparse.ArgumentParser:
     from .server.config import add_server_args
 
     s = sub.add_parser("serve", help="OpenAI/DeepSeek-compatible HTTP server")
+    s.add_argument("model_tag", nargs="?", metavar="MODEL",
+                   help="model to serve, as `vllm serve MODEL` (same as --model)")
     add_engine_args(s)
     add_server_args(s)
     s.set_defaults(func=cmd_serve)

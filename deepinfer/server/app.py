@@ -1,7 +1,9 @@
 """FastAPI app: OpenAI/DeepSeek-compatible endpoints over the engine thread.
 
 Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
-``GET /v1/models/{id}``, ``POST /v1/cache/explain``, ``GET /health``, ``GET /metrics``.
+``GET /v1/models/{id}``, ``POST /v1/cache/explain``, ``GET /health``, ``GET /metrics``,
+``POST /tokenize``, ``POST /detokenize`` (``tokenize.py``) and Anthropic's ``POST /v1/messages``
+(``anthropic.py``).
 
 Every response carries usage, streamed or not: ``prompt_tokens``, ``completion_tokens``,
 ``total_tokens``, ``prompt_cache_hit_tokens`` + ``prompt_cache_miss_tokens`` (DeepSeek; they
@@ -34,12 +36,15 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine import LLMEngine
+from .anthropic import error_response, message_body, parse_messages_request, stream_events
 from .async_engine import AsyncEngine
 from .boundary import CatchAll, read_json
-from .config import ServerConfig
+from .config import ServerConfig, generation_defaults
 from .metrics import render
 from .outputs import Admitted, Delta, Submission, merge_deltas
-from .protocol import APIError, ParsedRequest, parse_request
+from .protocol import APIError, ParsedRequest, get_str, parse_request
+from .tokenize import detokenize, tokenize
+from .tools import ToolCallStream, ToolOutput
 
 log = logging.getLogger("deepinfer.server")
 
@@ -48,7 +53,8 @@ _DISCONNECTED = object()
 
 # ---------------------------------------------------------------------- auth
 class BearerAuth:
-    """ASGI middleware: ``Authorization: Bearer <key>`` on every path but /health."""
+    """ASGI middleware: ``Authorization: Bearer <key>`` (or Anthropic's ``x-api-key: <key>``)
+    on every path but /health."""
 
     OPEN = frozenset({"/health"})
 
@@ -59,13 +65,15 @@ class BearerAuth:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http" or scope["path"] in self.OPEN:
             return await self.app(scope, receive, send)
-        auth = b""
+        auth = x_api_key = b""
         for k, v in scope.get("headers", []):
             if k == b"authorization":
                 auth = v
-                break
+            elif k == b"x-api-key":
+                x_api_key = v
         scheme, _, token = auth.partition(b" ")
-        if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key):
+        if (scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key)) or \
+                (x_api_key and hmac.compare_digest(x_api_key.strip(), self.key)):
             return await self.app(scope, receive, send)
         err = APIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
                        code="invalid_api_key")
@@ -125,6 +133,9 @@ class Server:
     def __init__(self, engine: LLMEngine, config: ServerConfig | None = None) -> None:
         self.config = config or ServerConfig()
         self.engine = engine
+        if self.config.chat_template is not None:  # before the tool parser is chosen from it
+            engine.tokenizer.chat_template = self.config.chat_template
+        self.defaults = generation_defaults(self.config.generation_config, engine.checkpoint_path)
         self.async_engine = AsyncEngine(engine, self.config)
         self.model_name = self.config.served_model_name or engine.model_name
         self.model_names = {self.model_name, engine.model_name}
@@ -146,14 +157,14 @@ class Server:
 
     # ------------------------------------------------------------------ completions
     async def completion(self, request: Request, kind: str) -> Response:
-        parsed = parse_request(await read_json(request, self.config.max_body_bytes), kind)
+        parsed = parse_request(await read_json(request, self.config.max_body_bytes), kind,
+                               self.defaults)
         self._check_model(parsed.model)
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         sub = Submission(rid, parsed)
         adm, q = await self.async_engine.submit(sub)
         headers = self._headers(rid, adm)
-        watcher = asyncio.create_task(_watch_disconnect(
-            request, q, lambda: self.async_engine.abort(rid)))
+        watcher = asyncio.create_task(self.watch_disconnect(request, q, rid))
         if parsed.stream:
             return StreamingResponse(self._stream(sub, q, watcher), headers=headers,
                                      media_type="text/event-stream")
@@ -161,6 +172,17 @@ class Server:
             return await self._collect(sub, q, headers)
         finally:
             watcher.cancel()
+
+    def _tool_stream(self, p: ParsedRequest, rid: str) -> ToolCallStream | None:
+        """Splits a streamed reply into content and tool calls (None: no calls parsed)."""
+        if not p.tools.parse_calls:
+            return None
+        return ToolCallStream(self.async_engine.tool_parser, rid, p.tool_call_prefix,
+                              None if p.tools.parallel else 1)
+
+    def watch_disconnect(self, request: Request, q: asyncio.Queue, rid: str):
+        """A coroutine that aborts ``rid`` when its client goes away."""
+        return _watch_disconnect(request, q, lambda: self.async_engine.abort(rid))
 
     @staticmethod
     async def _next(q: asyncio.Queue, merge: bool = True) -> Delta | None:
@@ -181,7 +203,7 @@ class Server:
         text: list[list[str]] = [[] for _ in range(n)]
         entries: list[list[dict] | None] = [[] if p.want_logprobs else None for _ in range(n)]
         finish: list[str | None] = [None] * n
-        usage = None
+        usage = tool_output = None
         done = False
         try:
             while usage is None:  # the last delta of the request carries its usage
@@ -195,19 +217,26 @@ class Server:
                 if entries[d.index] is not None and d.logprobs:
                     entries[d.index].extend(d.logprobs)
                 finish[d.index] = d.finish_reason or finish[d.index]
+                tool_output = d.tool_output or tool_output
                 usage = d.usage
             done = True
         finally:
             if not done:
                 self.async_engine.abort(rid)
-        choices = [self._choice(p, i, "".join(text[i]), entries[i], finish[i]) for i in range(n)]
+        choices = [self._choice(p, i, "".join(text[i]), entries[i], finish[i],
+                                tool_output if i == 0 else None) for i in range(n)]
         body = self._response(p, rid, choices, usage.to_dict())
         return JSONResponse(body, headers=headers)
 
     @staticmethod
-    def _choice(p: ParsedRequest, index: int, text: str, entries, finish: str | None) -> dict:
+    def _choice(p: ParsedRequest, index: int, text: str, entries, finish: str | None,
+                tools: ToolOutput | None = None) -> dict:
         if p.kind == "chat":
-            return {"index": index, "message": {"role": "assistant", "content": text},
+            message = {"role": "assistant", "content": text}
+            if tools is not None:
+                message = {"role": "assistant", "content": tools.content or None,
+                           "tool_calls": [c.to_openai() for c in tools.calls] or None}
+            return {"index": index, "message": message,
                     "logprobs": _chat_logprobs(entries), "finish_reason": finish}
         return {"index": index, "text": text, "logprobs": _completion_logprobs(entries, 0)[0],
                 "finish_reason": finish}
@@ -227,12 +256,15 @@ class Server:
         n = p.params.n
         offsets = [0] * n  # per choice: completions' logprobs text_offset
         done = False
+        tool_stream = self._tool_stream(p, rid)
 
         def chunk(text: str, entries, finish: str | None, index: int = 0,
-                  role: bool = False) -> dict:
+                  role: bool = False, calls: list | None = None) -> dict:
             if chat:
                 delta = {"role": "assistant", "content": text} if role else (
                     {"content": text} if text or not finish else {})
+                if calls:
+                    delta["tool_calls"] = [{"index": i, **c.to_openai()} for i, c in calls]
                 choice = {"index": index, "delta": delta, "logprobs": _chat_logprobs(entries),
                           "finish_reason": finish}
             else:
@@ -255,12 +287,19 @@ class Server:
                     yield "data: [DONE]\n\n"
                     return
                 entries = d.logprobs if p.want_logprobs else None
+                text, calls = d.text, None
+                if tool_stream is not None:  # (tools come with n == 1)
+                    piece = tool_stream.finish(d.tool_output) if d.final else \
+                        tool_stream.push(d.text)
+                    text, calls = piece.content, piece.calls
                 if d.usage is None:  # not the request's last delta
-                    yield _sse(chunk(d.text, entries, d.finish_reason, d.index))
+                    if text or calls or entries or d.finish_reason:
+                        yield _sse(chunk(text, entries, d.finish_reason, d.index, calls=calls))
                     continue
                 done = True
                 usage = d.usage.to_dict()
-                yield _sse({**chunk(d.text, entries, d.finish_reason, d.index), "usage": usage})
+                yield _sse({**chunk(text, entries, d.finish_reason, d.index, calls=calls),
+                            "usage": usage})
                 if p.include_usage:
                     yield _sse({**head, "choices": [], "usage": usage})
                 yield "data: [DONE]\n\n"
@@ -270,16 +309,68 @@ class Server:
             if not done:
                 self.async_engine.abort(rid)
 
+    # ------------------------------------------------------------------ Anthropic
+    async def messages(self, request: Request) -> Response:
+        """``POST /v1/messages`` (``anthropic.py``): the chat path, Anthropic-shaped."""
+        try:
+            parsed = parse_messages_request(
+                await read_json(request, self.config.max_body_bytes), self.defaults)
+            self._check_model(parsed.model)
+            rid = f"msg_{uuid.uuid4().hex[:24]}"
+            sub = Submission(rid, parsed)
+            adm, q = await self.async_engine.submit(sub)
+        except APIError as e:
+            return error_response(e)
+        headers = self._headers(rid, adm)
+        deltas = self._deltas(sub, q, asyncio.create_task(self.watch_disconnect(request, q, rid)))
+        if parsed.stream:
+            events = stream_events(rid, self.model_name, adm.num_prompt_tokens, deltas,
+                                   self._tool_stream(parsed, rid))
+            return StreamingResponse(events, headers=headers, media_type="text/event-stream")
+        text = []
+        async for d in deltas:
+            if d.error:
+                return error_response(APIError(500, d.error, type="server_error"))
+            text.append(d.text)
+            if d.final:
+                body = message_body(rid, self.model_name, "".join(text), d)
+                return JSONResponse(body, headers=headers)
+        return Response(status_code=499)  # the client left
+
+    async def _deltas(self, sub: Submission, q: asyncio.Queue,
+                      watcher: asyncio.Task) -> AsyncIterator[Delta]:
+        """A request's deltas up to its final one; aborts it if the reader stops early."""
+        done = False
+        try:
+            while True:
+                d = await self._next(q)
+                if d is None:
+                    return
+                done = d.final
+                yield d
+                if done:
+                    return
+        finally:
+            watcher.cancel()
+            if not done:
+                self.async_engine.abort(sub.request_id)
+
     # ------------------------------------------------------------------ other endpoints
     async def explain(self, request: Request) -> Response:
         body = await read_json(request, self.config.max_body_bytes)
         kind = "chat" if "messages" in body else "completion"
         if kind == "completion" and "prompt" not in body:
             raise APIError(400, "give 'messages' (chat) or 'prompt' (completion)", param="prompt")
-        parsed = parse_request(body, kind)
+        parsed = parse_request(body, kind, self.defaults)
         self._check_model(parsed.model)
         out = await self.async_engine.call(lambda: self.async_engine.explain(parsed))
         return JSONResponse({**out, "model": self.model_name})
+
+    async def on_engine(self, request: Request, fn) -> Response:
+        """Answer ``fn(async_engine, body)``, run on the engine thread."""
+        body = await read_json(request, self.config.max_body_bytes)
+        self._check_model(get_str(body, "model"))
+        return JSONResponse(await self.async_engine.call(lambda: fn(self.async_engine, body)))
 
     async def metrics(self) -> Response:
         stats, m = await self.async_engine.call(self.async_engine.snapshot)
@@ -343,6 +434,18 @@ class Server:
         @app.post("/v1/completions")
         async def completions(request: Request) -> Response:
             return await self.completion(request, "completion")
+
+        @app.post("/v1/messages")
+        async def messages(request: Request) -> Response:
+            return await self.messages(request)
+
+        @app.post("/tokenize")
+        async def tokenize_route(request: Request) -> Response:
+            return await self.on_engine(request, tokenize)
+
+        @app.post("/detokenize")
+        async def detokenize_route(request: Request) -> Response:
+            return await self.on_engine(request, detokenize)
 
         if self.config.enable_cache_explain:
             @app.post("/v1/cache/explain")

@@ -27,7 +27,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..engine import LLMEngine
@@ -36,12 +36,15 @@ from ..kv.radix import DEVICE
 from ..log_limit import RateLimitedLog
 from ..request import Request, SampleGroup
 from .cache_explain import CacheExplainer
+from ..structured.spec import StructuredOutput
+from .cache_control import PinTable, breakpoint_positions, creation_tokens
 from .config import ServerConfig
 from .detokenize import TextStream
 from .metrics import ServerMetrics
 from .outputs import Admitted, Delta, QueueFull, Submission, Usage
 from .prompts import BuiltPrompt, PromptBuilder
 from .protocol import APIError, ParsedRequest
+from .tools import ToolOutput, number_calls, resolve_parser
 
 log = logging.getLogger("deepinfer.server")
 
@@ -58,6 +61,7 @@ class _Live:
     num_sent_ids: int = 0
     index: int = 0  # its sample's place among the request's n
     samples_done: int = 0  # (the first sample's) samples whose end was published
+    breakpoints: list[int] = field(default_factory=list)  # token positions of cache_control marks
 
 
 def _deliver(batch: list[tuple[asyncio.Queue, Delta]]) -> None:
@@ -72,7 +76,11 @@ class AsyncEngine:
         self.tokenizer = engine.tokenizer
         self.builder = PromptBuilder(engine.tokenizer, engine.eos_token_ids,
                                      self.config.reply_cache_tokens)
+        self.tool_parser = resolve_parser(self.config.tool_call_parser,
+                                          engine.tokenizer.chat_template)
         self.metrics = ServerMetrics()
+        self.pins = PinTable(engine.kv.tree, engine.kv.page_size,
+                             engine.runner.pool.allocator.num_pages // 2)
         self.capacity = engine.config.max_num_seqs + self.config.max_queue
         self._cmds: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._live: dict[str, _Live] = {}
@@ -244,8 +252,12 @@ class AsyncEngine:
     # ------------------------------------------------------------------ commands
     def _build(self, p: ParsedRequest) -> BuiltPrompt:
         if p.kind == "chat":
+            if p.tools.tools and self.tool_parser is None:
+                raise APIError(400, "tools: the model's chat template does not render tools; "
+                                    "start the server with --chat-template FILE (a template "
+                                    "that does) or --tool-call-parser", param="tools")
             try:
-                return self.builder.chat(p.messages, p.cache_salt)
+                return self.builder.chat(p.messages, p.cache_salt, p.tools.tools)
             except RequestError:
                 raise
             except Exception as e:  # template errors (e.g. a role the template rejects)
@@ -266,9 +278,15 @@ class AsyncEngine:
                 raise QueueFull(self.config.retry_after_s, self.capacity)
             built = self._build(p)
             params = p.params
+            if p.tools.forced:  # tool_choice required / named: the reply is calls, by grammar
+                schema = p.tools.call_schema(self.tool_parser.ARGS_KEY)
+                params.structured_output = StructuredOutput.lark(self.tool_parser.call_grammar(
+                    schema, p.tools.parallel, self.tokenizer.get_added_vocab()))
             if p.max_tokens is None:  # the rest of the context
                 params.max_tokens = max(1, eng.max_model_len - len(built.token_ids))
             req = eng.add_request(built.token_ids, params, sub.request_id, p.cache_salt)
+            marks = breakpoint_positions(self.tokenizer, p.messages, p.tools.tools,
+                                         p.cache_breakpoints) if p.cache_breakpoints else []
         except RequestError as e:
             fut.set_exception(APIError.from_request_error(
                 e, {"prompt": p.prompt_field, "max_tokens": p.max_tokens_field,
@@ -286,7 +304,7 @@ class AsyncEngine:
         m.prompt_encodings[built.encoding] = m.prompt_encodings.get(built.encoding, 0) + 1
         m.history_rewrites += built.history_rewritten
         self._live[sub.request_id] = _Live(sub, req, q, TextStream(
-            self.tokenizer, built.token_ids, params.stop), built)
+            self.tokenizer, built.token_ids, params.stop), built, breakpoints=marks)
         if params.num_samples > 1:
             self._roots[sub.request_id] = self._live[sub.request_id]
         fut.set_result(Admitted(sub.request_id, built, len(built.token_ids)))
@@ -319,6 +337,7 @@ class AsyncEngine:
     # ------------------------------------------------------------------ stepping
     def _step(self) -> None:
         eng = self.engine
+        self.pins.expire()
         try:
             sampled = eng.step()
         except Exception as e:  # noqa: BLE001 - retried next round; twice in a row fails all
@@ -381,11 +400,20 @@ class AsyncEngine:
         text = live.stream.finish(out.text)
         del self._live[req.request_id]
         usage = self._account(live, req.finish_reason, len(req.prompt_token_ids) + end - 1)
-        if live.sub.parsed.kind == "chat" and live.prompt.key_state is not None:
+        p = live.sub.parsed
+        for pos, mark in zip(live.breakpoints, p.cache_breakpoints):
+            self.pins.pin(req.page_hashes, pos, mark.ttl_s)
+        tools = self._parse_tool_calls(p, req.request_id, out.text)
+        if p.kind == "chat" and live.prompt.key_state is not None:
+            message = {"role": "assistant", "content": tools.content if tools else out.text}
+            if tools and tools.calls:
+                message["tool_calls"] = [c.to_message() for c in tools.calls]
             self.builder.remember(live.prompt.key_state, req.prompt_token_ids,
-                                  list(req.output_token_ids), out.text)
-        final = Delta(text, new, lps, req.finish_reason, usage if req.group is None else None,
-                      index=live.index)
+                                  list(req.output_token_ids), message)
+        finish = "tool_calls" if tools and tools.calls else req.finish_reason
+        stop = req.stop_reason if isinstance(req.stop_reason, str) else None
+        final = Delta(text, new, lps, finish, usage if req.group is None else None,
+                      index=live.index, tool_output=tools, stop_string=stop)
         if req.group is None:
             self._post(live, final)
             return
@@ -418,13 +446,22 @@ class AsyncEngine:
                               {k: v for k, v in first.cached_tokens_by_tier.items() if v})
         return out
 
+    def _parse_tool_calls(self, p: ParsedRequest, request_id: str, text: str) -> ToolOutput | None:
+        if not p.tools.parse_calls:
+            return None
+        out = self.tool_parser.parse(text)
+        out.calls = number_calls(out.calls, request_id, p.tool_call_prefix,
+                                 None if p.tools.parallel else 1)
+        return out
+
     def _account(self, live: _Live, reason: str, computed_tokens: int) -> Usage:
         """Usage of an ended request, and the server's counters."""
         req, m = live.req, self.metrics
         n_prompt = req.num_prompt_tokens
         hit = min(req.num_cached_tokens or 0, n_prompt)
         usage = Usage(n_prompt, len(req.output_token_ids), hit,
-                      {k: v for k, v in req.cached_tokens_by_tier.items() if v})
+                      {k: v for k, v in req.cached_tokens_by_tier.items() if v},
+                      creation_tokens(live.breakpoints, self.engine.kv.page_size, n_prompt, hit))
         m.finished[reason] = m.finished.get(reason, 0) + 1
         m.prompt_tokens += n_prompt if req.sample_index == 0 else 0  # samples share the prompt
         m.generation_tokens += usage.completion_tokens

@@ -6,8 +6,17 @@ Kept free of FastAPI/uvicorn imports so the CLI can build its parser cheaply.
 from __future__ import annotations
 
 import argparse
+import json
+import logging
 import os
 from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger("deepinfer.server")
+
+# generation_config.json fields that become request defaults (HF name -> request field)
+GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                       "min_p": "min_p", "max_new_tokens": "max_tokens"}
 
 
 @dataclass
@@ -32,6 +41,11 @@ class ServerConfig:
     max_body_bytes: int = 16 * 2**20
     shutdown_timeout_s: float = 30.0  # graceful shutdown: wait this long for requests to drain
     log_level: str = "info"
+    tool_call_parser: str | None = None  # a family of tools/parsers.py; None: from the template
+    chat_template: str | None = None  # a Jinja template (text) replacing the checkpoint's
+    # Request defaults: "auto" (the model's generation_config.json), "vllm" (built-in
+    # defaults) or a folder holding a generation_config.json.
+    generation_config: str = "auto"
 
     def __post_init__(self) -> None:
         if self.max_queue < 0:
@@ -63,6 +77,46 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout_s,
                    help="seconds to let running requests finish on shutdown")
     p.add_argument("--log-level", default=d.log_level)
+    from .tools.parsers import PARSERS
+
+    p.add_argument("--chat-template", default=None,
+                   help="chat template replacing the checkpoint's: a file, or the template text")
+    p.add_argument("--tool-call-parser", default="auto", choices=["auto", *sorted(PARSERS)],
+                   help="how replies are parsed into tool calls (default: from the chat template)")
+    p.add_argument("--generation-config", default=d.generation_config,
+                   help="request defaults (temperature, top_p, top_k, min_p, max_new_tokens): "
+                        "auto (the model's generation_config.json), vllm (built-in defaults), or "
+                        "a folder with a generation_config.json")
+
+
+def read_chat_template(value: str | None) -> str | None:
+    """``--chat-template``: a path to a file, else the template text itself."""
+    if value is None:
+        return None
+    path = Path(value).expanduser()
+    if path.is_file():
+        return path.read_text(encoding="utf-8")
+    if "{" not in value:
+        raise ValueError(f"--chat-template: {value!r} is neither a file nor a Jinja template")
+    return value
+
+
+def generation_defaults(source: str, model_path: Path | None) -> dict:
+    """Request defaults from a generation_config.json (see ``ServerConfig.generation_config``)."""
+    if source == "vllm":
+        return {}
+    folder = model_path if source == "auto" else Path(source).expanduser()
+    file = folder / "generation_config.json" if folder is not None else None
+    if file is None or not file.is_file():
+        if source != "auto":
+            raise ValueError(f"--generation-config: no generation_config.json in {folder}")
+        return {}
+    cfg = json.loads(file.read_text())
+    out = {ours: cfg[hf] for hf, ours in GENERATION_DEFAULTS.items() if cfg.get(hf) is not None}
+    if cfg.get("repetition_penalty") not in (None, 1, 1.0):
+        log.warning("generation config: repetition_penalty %s is not applied by default",
+                    cfg["repetition_penalty"])
+    return out
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:
@@ -71,4 +125,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
                         enable_cache_explain=not args.no_cache_explain,
                         explain_cross_tenant=args.explain_cross_tenant,
                         max_body_bytes=args.max_body_bytes,
-                        shutdown_timeout_s=args.shutdown_timeout, log_level=args.log_level)
+                        shutdown_timeout_s=args.shutdown_timeout, log_level=args.log_level,
+                        tool_call_parser=args.tool_call_parser,
+                        chat_template=read_chat_template(args.chat_template),
+                        generation_config=args.generation_config)

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from .prompts import BuiltPrompt
 from .protocol import APIError, ParsedRequest
+from .tools import ToolOutput
 
 
 @dataclass
@@ -15,6 +16,7 @@ class Usage:
     completion_tokens: int
     cached_tokens: int
     cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
+    cache_creation_tokens: int = 0  # computed prompt tokens now cached up to a cache_control mark
 
     def to_dict(self) -> dict:
         hit = self.cached_tokens
@@ -40,6 +42,8 @@ class Delta:
     usage: Usage | None = None
     error: str | None = None
     index: int = 0  # the choice (sample) it belongs to, when the request has n > 1
+    tool_output: ToolOutput | None = None  # final delta of a request with tools: the parsed reply
+    stop_string: str | None = None  # final delta: the stop string that ended the reply
 
     @property
     def final(self) -> bool:
@@ -51,7 +55,7 @@ def merge_deltas(a: Delta, b: Delta) -> Delta:
     lps = None if a.logprobs is None and b.logprobs is None else \
         (a.logprobs or []) + (b.logprobs or [])
     return Delta(a.text + b.text, a.token_ids + b.token_ids, lps, b.finish_reason, b.usage,
-                 b.error, a.index)
+                 b.error, a.index, b.tool_output, b.stop_string)
 
 
 @dataclass

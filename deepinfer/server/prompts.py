@@ -4,7 +4,8 @@ A chat client resends the whole conversation every turn, as text. Re-tokenising 
 change the token ids of earlier replies (a reply's text need not tokenise back to the ids
 that were generated), and the prefix cache stops hitting at the first changed id. So the
 server remembers, for each recent reply, the prompt ids it was generated from and the
-generated ids, keyed by a hash of (cache salt, the messages of that request, the reply text).
+generated ids, keyed by a hash of (cache salt, tools, the messages of that request, the reply
+message: its text and tool calls, as normalized by the protocol).
 When a new request contains an assistant message found in that record, its prompt is built
 with ``deepinfer.chat.extend_prompt``: the old prompt ids + the generated ids + only the
 text the template adds after them, tokenised.
@@ -77,9 +78,10 @@ class ReplyCache:
         self.tokens -= len(p) + len(r)
 
 
-def _hasher(salt: str | None):
+def _hasher(salt: str | None, tools: list[dict] | None):
     h = hashlib.blake2b(digest_size=16, person=b"deepinfer-reply")
     h.update(json.dumps(salt).encode() + b"\n")
+    h.update(json.dumps(tools or None, ensure_ascii=False, sort_keys=True).encode() + b"\n")
     return h
 
 
@@ -87,9 +89,10 @@ def _message_bytes(m: dict) -> bytes:
     return json.dumps(m, ensure_ascii=False, sort_keys=True).encode() + b"\n"
 
 
-def reply_key(key_state, content: str) -> bytes:
+def reply_key(key_state, message: dict) -> bytes:
+    """Key of an assistant ``message`` (normalized) that followed the messages in ``key_state``."""
     h = key_state.copy()
-    h.update(b"reply:" + json.dumps(content, ensure_ascii=False).encode())
+    h.update(b"reply:" + _message_bytes(message))
     return h.digest()
 
 
@@ -105,9 +108,11 @@ class PromptBuilder:
             return BuiltPrompt(encode_text(self.tokenizer, prompt), "text")
         return BuiltPrompt(list(prompt), "tokens")
 
-    def chat(self, messages: list[dict], salt: str | None) -> BuiltPrompt:
-        """Prompt ids of ``messages``; extends a remembered earlier turn where one is found."""
-        h = _hasher(salt)
+    def chat(self, messages: list[dict], salt: str | None,
+             tools: list[dict] | None = None) -> BuiltPrompt:
+        """Prompt ids of ``messages`` (and ``tools``, rendered by the template); extends a
+        remembered earlier turn where one is found."""
+        h = _hasher(salt, tools)
         states = []  # (index of an assistant message, hash of the messages before it)
         for i, m in enumerate(messages):
             if m["role"] == "assistant":
@@ -115,22 +120,22 @@ class PromptBuilder:
             h.update(_message_bytes(m))
         found = None
         for j, st in reversed(states[-_MAX_LOOKBACK:]):
-            rec = self.replies.get(reply_key(st, messages[j]["content"]))
+            rec = self.replies.get(reply_key(st, messages[j]))
             if rec is not None:
                 found = j, rec
                 break
         if found is None:
-            ids = encode_text(self.tokenizer, render_text(self.tokenizer, messages))
+            ids = encode_text(self.tokenizer, render_text(self.tokenizer, messages, tools=tools))
             return BuiltPrompt(ids, "rendered", key_state=h)
         j, (prev_ids, reply_ids) = found
         prev_messages = messages[:j]
         ext = extend_prompt(self.tokenizer, prev_messages, prev_ids, reply_ids, messages,
-                            self.end_ids)
+                            self.end_ids, tools)
         if not ext.history_rewritten:
             reused = common_len(ext.token_ids, prev_ids + reply_ids)
             return BuiltPrompt(ext.token_ids, "extended", False, reused, key_state=h)
-        base = render_text(self.tokenizer, prev_messages)
-        full = render_text(self.tokenizer, messages)
+        base = render_text(self.tokenizer, prev_messages, tools=tools)
+        full = render_text(self.tokenizer, messages, tools=tools)
         if full.startswith(base):
             # Earlier turns render as before: keep their ids. Whether the reply itself was
             # rewritten (vs. merely decoding differently from its ids) decides the report.
@@ -141,10 +146,12 @@ class PromptBuilder:
 
     # ------------------------------------------------------------------ remembering
     def remember(self, key_state, prompt_ids: list[int], reply_ids: list[int],
-                 content: str) -> None:
-        """Record a finished chat reply so the next turn can extend it token for token."""
-        self.replies.put(reply_key(key_state, content), prompt_ids,
-                         self._reply_ids_for(reply_ids, content))
+                 message: dict) -> None:
+        """Record a finished chat reply (``message``: the assistant message as the client will
+        send it back, normalized) so the next turn can extend it token for token."""
+        ids = reply_ids if message.get("tool_calls") else \
+            self._reply_ids_for(reply_ids, message["content"])
+        self.replies.put(reply_key(key_state, message), prompt_ids, list(ids))
 
     def _reply_ids_for(self, reply_ids: list[int], content: str) -> list[int]:
         """The generated ids that render as ``content`` (+ an end token), as far as possible.

@@ -6,8 +6,9 @@ the offending field, OpenAI style::
     {"error": {"message": "max_tokens: must be an integer >= 1, got -3",
                "type": "invalid_request_error", "param": "max_tokens", "code": null}}
 
-Unknown fields are ignored, as vLLM does. Fields we cannot honour (tools, ``echo``,
-``suffix``) are rejected with 400 rather than silently ignored.
+Unknown fields are ignored, as vLLM does. Fields we cannot honour (``echo``,
+``suffix``) are rejected with 400 rather than silently ignored. Tool fields are checked in
+``tools/request.py``.
 
 Before any field is read, the whole body is checked: JSON nested at most ``MAX_JSON_DEPTH``
 deep, integers of at most 4,300 digits (Python's own bound), and every string (keys too)
@@ -19,13 +20,15 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import RequestError
 from ..limits import INT64_MAX, INT64_MIN, SEED_MAX, SEED_MIN, encodable, is_int
 from ..sampling_params import SamplingParams
 from ..structured.spec import StructuredOutput
+from .cache_control import CacheBreakpoint
+from .tools.request import ToolRequest, parse_tool_request, tool_message_fields
 
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (chat: the rest)
@@ -188,12 +191,7 @@ def get_stop(body: dict) -> list[str]:
 
 
 def _reject_unsupported(body: dict, chat: bool) -> None:
-    if chat:
-        if body.get("tools"):
-            raise bad("tools", "tool calling is not supported")
-        if body.get("functions"):
-            raise bad("functions", "function calling is not supported")
-    else:
+    if not chat:
         if get_bool(body, "echo"):
             raise bad("echo", "is not supported")
         if body.get("suffix") not in (None, ""):
@@ -249,7 +247,8 @@ def get_response_format(body: dict) -> StructuredOutput | None:
 
 # ---------------------------------------------------------------------- messages
 def normalize_messages(v: Any) -> list[dict]:
-    """Check chat messages and reduce each to ``{"role", "content"}`` with text content."""
+    """Check chat messages and reduce each to ``{"role", "content"}`` with text content (plus
+    the tool fields: an assistant's ``tool_calls``, a tool result's ``tool_call_id``)."""
     if not isinstance(v, list):
         raise bad("messages", "must be an array of message objects")
     if not v:
@@ -281,7 +280,11 @@ def normalize_messages(v: Any) -> list[dict]:
             content = "".join(parts)
         elif not isinstance(content, str):
             raise bad(f"{where}.content", "must be a string or an array of text parts")
-        out.append({"role": role, "content": content})
+        try:
+            tools = tool_message_fields(m, where)
+        except RequestError as e:
+            raise APIError.from_request_error(e) from None
+        out.append({"role": role, "content": content, **tools})
     return out
 
 
@@ -301,10 +304,21 @@ class ParsedRequest:
     cache_salt: str | None = None
     user: str | None = None
     want_logprobs: bool = False  # chat: logprobs=true; completion: logprobs=k given
+    tools: ToolRequest = field(default_factory=ToolRequest)
+    tool_call_prefix: str = "call_"  # ids of parsed tool calls (the Anthropic API: "toolu_")
+    cache_breakpoints: list[CacheBreakpoint] = field(default_factory=list)  # Anthropic API
 
     @property
     def prompt_field(self) -> str:
         return "messages" if self.kind == "chat" else "prompt"
+
+
+def tool_request(body: dict) -> ToolRequest:
+    """``tools``, ``tool_choice``, ``parallel_tool_calls`` (``tools/request.py``); 400 if bad."""
+    try:
+        return parse_tool_request(body)
+    except RequestError as e:
+        raise APIError.from_request_error(e) from None
 
 
 def parse_prompt(v: Any) -> str | list[int]:
@@ -329,16 +343,25 @@ def parse_prompt(v: Any) -> str | list[int]:
     raise bad("prompt", "must be a string or an array of integer token ids")
 
 
-def parse_request(body: dict, kind: str) -> ParsedRequest:
+def parse_request(body: dict, kind: str, defaults: dict | None = None) -> ParsedRequest:
+    """``defaults``: request defaults from ``--generation-config`` (field -> value)."""
     chat = kind == "chat"
+    defaults = defaults or {}
     model = get_str(body, "model")
+    tools = ToolRequest()
     if chat:
         messages = normalize_messages(body.get("messages"))
         prompt = None
+        tools = tool_request(body)
+        if tools.forced and body.get("response_format") not in (None, {"type": "text"}):
+            raise bad("tool_choice", f"{json.dumps(body['tool_choice'])} cannot be combined "
+                                     "with response_format: the reply must be tool calls")
     else:
         messages = None
         prompt = parse_prompt(body.get("prompt"))
     n = get_int(body, "n", 1, lo=1)
+    if tools.tools and n > 1:
+        raise bad("n", "tools are supported with n=1 only")
     best_of = None if chat else get_int(body, "best_of", None, lo=1)
     if best_of is not None and best_of < n:
         raise bad("best_of", f"must be >= n ({n}), got {best_of}")
@@ -351,8 +374,8 @@ def parse_request(body: dict, kind: str) -> ParsedRequest:
         mt_field = "max_completion_tokens"
     if max_tokens is not None and max_tokens < 1:
         raise bad(mt_field, f"must be an integer >= 1, got {max_tokens}")
-    if max_tokens is None and not chat:
-        max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
+    if max_tokens is None:
+        max_tokens = defaults.get("max_tokens", None if chat else COMPLETIONS_DEFAULT_MAX_TOKENS)
 
     if chat:
         want = get_bool(body, "logprobs")
@@ -369,10 +392,10 @@ def parse_request(body: dict, kind: str) -> ParsedRequest:
         raise bad("stop_token_ids", "must be an array of non-negative 64-bit integers")
     params_kw = dict(
         max_tokens=max_tokens or 1,
-        temperature=get_num(body, "temperature", 1.0),
-        top_p=get_num(body, "top_p", 1.0),
-        top_k=get_int(body, "top_k", 0),
-        min_p=get_num(body, "min_p", 0.0),
+        temperature=get_num(body, "temperature", defaults.get("temperature", 1.0)),
+        top_p=get_num(body, "top_p", defaults.get("top_p", 1.0)),
+        top_k=get_int(body, "top_k", defaults.get("top_k", 0)),
+        min_p=get_num(body, "min_p", defaults.get("min_p", 0.0)),
         seed=get_int(body, "seed", lo=SEED_MIN, hi=SEED_MAX),
         stop=get_stop(body),
         stop_token_ids=list(stop_ids),
@@ -408,4 +431,5 @@ def parse_request(body: dict, kind: str) -> ParsedRequest:
     return ParsedRequest(kind=kind, model=model, params=params, max_tokens=max_tokens,
                          max_tokens_field=mt_field, messages=messages, prompt=prompt,
                          stream=stream, include_usage=include_usage, cache_salt=salt,
-                         user=get_str(body, "user"), want_logprobs=want)
+                         user=get_str(body, "user"), want_logprobs=want, tools=tools,
+                         structured_field="tool_choice" if tools.forced else "response_format")

@@ -62,7 +62,8 @@ def tok(tiny_llama):
 
 
 def remember(b, built, reply_ids, content):
-    b.remember(built.key_state, built.token_ids, reply_ids, content)
+    b.remember(built.key_state, built.token_ids, reply_ids,
+               {"role": "assistant", "content": content})
 
 
 def test_extension_keeps_generated_ids_that_retokenise_differently(tok):
@@ -160,7 +161,8 @@ def test_history_rewrite_reported_over_http(tiny_llama, tmp_path):
         def generated() -> None:  # as if the model had written that reply to ``msgs``
             built = eng.builder.chat(msgs, None)
             eng.builder.remember(built.key_state, built.token_ids,
-                                 eng.tokenizer.encode(reply, add_special_tokens=False), reply)
+                                 eng.tokenizer.encode(reply, add_special_tokens=False),
+                                 {"role": "assistant", "content": reply})
 
         eng.call_sync(generated)
         raw = c.chat.completions.with_raw_response.create(
