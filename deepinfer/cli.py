@@ -142,8 +142,13 @@ def _cache_line(out) -> str:
     parts = [f"{t} {n}" for t, n in out.cached_tokens_by_tier.items() if n]
     tiers = f" ({', '.join(parts)})" if parts else ""
     replayed = f"{out.num_replayed_tokens} replayed, " if out.num_replayed_tokens else ""
+    loaded = ""
+    if out.load_seconds:
+        by = ", ".join(f"{t} {out.load_bytes_by_tier[t] / 1e6:.1f} MB in {sec:.3f}s"
+                       for t, sec in out.load_seconds_by_tier.items() if out.load_bytes_by_tier[t])
+        loaded = f"; loaded {by}: {out.load_seconds:.3f}s wait, {out.load_gb_per_s:.2f} GB/s"
     return (f"prompt {out.num_prompt_tokens} tokens: {out.num_cached_tokens} cached{tiers}, "
-            f"{replayed}{out.num_computed_tokens} computed; {len(out.token_ids)} generated")
+            f"{replayed}{out.num_computed_tokens} computed; {len(out.token_ids)} generated{loaded}")
 
 
 def cmd_chat(args: argparse.Namespace) -> int:

@@ -69,6 +69,12 @@ class RequestOutput:
     index: int = 0  # which of the request's ``n`` samples (ranked by best_of when it is set)
     cumulative_logprob: float | None = None  # of the sampled tokens (with logprobs or best_of)
     error: str | None = None  # finish reason "error": what failed this request alone
+    # its loads from L2/L3: seconds from queueing to data in L1, seconds reading and bytes read
+    # by tier, and the effective throughput (bytes over the whole wait)
+    load_seconds: float = 0.0
+    load_seconds_by_tier: dict[str, float] = field(default_factory=dict)
+    load_bytes_by_tier: dict[str, int] = field(default_factory=dict)
+    load_gb_per_s: float = 0.0
 
 
 class LLMEngine:
@@ -389,6 +395,10 @@ class LLMEngine:
             cumulative_logprob=req.cumulative_logprob
             if p.logprobs is not None or p.num_samples > p.n else None,
             error=req.error,
+            load_seconds=req.load_stats.seconds,
+            load_seconds_by_tier=dict(req.load_stats.seconds_by_tier),
+            load_bytes_by_tier=dict(req.load_stats.bytes_by_tier),
+            load_gb_per_s=req.load_stats.gb_per_s,
         )
 
     def group_outputs(self, req: Request) -> list[RequestOutput]:

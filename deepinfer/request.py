@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .kv.radix import Node
-from .kv.tiers.backend import LoadJob
+from .kv.tiers.backend import LoadJob, LoadStats
 from .kv.window.rings import RingState
 from .sampling_params import SamplingParams
 
@@ -46,6 +46,7 @@ class Request:
     kv_load: LoadJob | None = None  # bringing the L2/L3 part of the cached prefix back to L1
     kv_prefetched: bool = False  # the lookup for this admission attempt was done
     kv_hit_counted: bool = False  # radix hit counts (selective policy) count a request once
+    load_stats: LoadStats = field(default_factory=LoadStats)  # its loads from L2/L3
     # accounting (set when first scheduled; a preempted request keeps its first numbers)
     num_cached_tokens: int | None = None
     cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)

@@ -9,7 +9,9 @@ cache it just filled) and put back at the head of the queue, so no request starv
 
 A request whose cached prefix lies partly in the lower tiers (host memory, disk) starts loading
 it when queued; while that load runs it stays in the queue and the requests behind it are
-scheduled, so a slow load never stalls the others.
+scheduled, so a slow load never stalls the others. Likewise a request whose next uncached
+pages another running request is computing right now (batch questions over one document)
+waits for them instead of computing them twice.
 
 Fault isolation: an exception while scheduling one request (hashing its pages, matching or
 loading its prefix, allocating its pages) fails that request alone. ``fail`` takes it out of
@@ -90,7 +92,9 @@ class Scheduler:
             if len(self.running) + width > self.config.max_num_seqs:
                 break
             try:
-                if self.kv.prefetch(req):  # its KV is still being loaded: schedule the next one
+                # its KV is still being loaded, or another request is computing its next
+                # pages: schedule the next one
+                if self.kv.prefetch(req) or self.kv.joins_computing(req):
                     w += 1
                     continue
                 self.kv.match_prefix(req)

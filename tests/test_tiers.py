@@ -157,6 +157,28 @@ def test_restart_in_process_hits_l3_with_empty_tree(tiny_llama, reference, tmp_p
         e.engine.shutdown()
 
 
+def test_a_load_is_measured_per_request_and_in_the_engine_stats(tiny_llama, tmp_path):
+    from deepinfer.cli import _cache_line
+
+    p = prompts(1, 101, seed=15)[0]
+    a = make(tiny_llama, tmp_path)
+    first = a.generate(p, GREEDY)[0]
+    assert first.load_seconds == 0 and first.load_bytes_by_tier == {}
+    a.engine.shutdown()
+    b = make(tiny_llama, tmp_path, host_cache_gb=0)
+    out = b.generate(p, GREEDY)[0]
+    page = b.engine.tiers.disk_page_nbytes
+    assert out.load_bytes_by_tier == {"host": 0, "disk": 25 * page}
+    assert out.load_seconds >= out.load_seconds_by_tier["disk"] > 0
+    assert out.load_gb_per_s == pytest.approx(25 * page / out.load_seconds / 1e9)
+    st = b.engine.stats()
+    assert st["cache_load_bytes_by_tier"] == {"host": 0, "disk": 25 * page}
+    assert st["cache_load_read_seconds_by_tier"]["disk"] == out.load_seconds_by_tier["disk"]
+    line = _cache_line(out)
+    assert f"disk {25 * page / 1e6:.1f} MB in" in line and "GB/s" in line
+    b.engine.shutdown()
+
+
 def test_cache_salt_isolates_l3(tiny_llama, tmp_path):
     p = prompts(1, 40, seed=14)[0]
     a = make(tiny_llama, tmp_path)
@@ -291,13 +313,13 @@ def test_a_request_waiting_on_a_load_does_not_stall_others(tiny_llama, reference
     b = make(tiny_llama, tmp_path, host_cache_gb=0)
     eng = b.engine
     gate = threading.Event()
-    get = eng.tiers.store.get
+    read_into = eng.tiers.store.read_into
 
-    def slow_get(key, **kw):
+    def slow_read(key, dest, expect=None):
         gate.wait(30)
-        return get(key, **kw)
+        return read_into(key, dest, expect)
 
-    eng.tiers.store.get = slow_get
+    eng.tiers.store.read_into = slow_read
     r_slow = eng.add_request(slow, GREEDY)
     r_fast = eng.add_request(fast, GREEDY)
     for _ in range(100):
@@ -312,6 +334,33 @@ def test_a_request_waiting_on_a_load_does_not_stall_others(tiny_llama, reference
     eng.shutdown()
 
 
+def test_a_loader_killed_mid_read_leaves_nothing_half_applied(tiny_llama, reference, tmp_path):
+    p = prompts(1, 120, seed=32)[0]  # 29 full pages looked up
+    a = make(tiny_llama, tmp_path)
+    a.generate(p, GREEDY)
+    a.engine.shutdown()
+    b = make(tiny_llama, tmp_path, host_cache_gb=0)
+    eng = b.engine
+    keys = [f.name[:-3] for f in page_files(b, p, tmp_path)]
+    read_into = eng.tiers.store.read_into
+
+    def dies(key, dest, expect=None):
+        if key == keys[11]:
+            raise RuntimeError("loader killed mid-read")
+        return read_into(key, dest, expect)
+
+    eng.tiers.store.read_into = dies
+    out = b.generate(p, GREEDY)[0]
+    assert out.token_ids == reference([p])[0]
+    assert out.cached_tokens_by_tier == {"device": 0, "host": 0, "disk": 11 * PS}
+    assert out.num_computed_tokens == 120 - 11 * PS
+    kv = eng.kv
+    assert not kv._jobs and kv._load_pages == 0
+    # every L1 page is free or the tree's: nothing of the dead load is left over
+    assert kv.num_free_pages + kv.tree.pages_in_tier[0] == eng.runner.pool.allocator.num_pages - 1
+    eng.shutdown()
+
+
 def test_abort_while_loading_releases_everything(tiny_llama, tmp_path):
     p = prompts(1, 60, seed=31)[0]
     a = make(tiny_llama, tmp_path)
@@ -319,8 +368,8 @@ def test_abort_while_loading_releases_everything(tiny_llama, tmp_path):
     a.engine.kv.evict()  # to L2
     eng = a.engine
     gate = threading.Event()
-    read = eng.tiers._read_host
-    eng.tiers._read_host = lambda slots, wait=True: (gate.wait(30), read(slots, wait))[1]
+    read = eng.tiers.host.read_rows
+    eng.tiers.host.read_rows = lambda slots: (gate.wait(30), read(slots))[1]
     r = eng.add_request(p, GREEDY)
     eng.step()
     eng.abort(r.request_id)

@@ -11,9 +11,14 @@ are freed when it ends.
 With lower tiers, a request's cached prefix may lie partly in L2/L3. ``prefetch`` (called when
 the request is queued) plans and starts loading those pages; the scheduler leaves the request
 waiting while ``prefetch`` says so and schedules others. ``match_prefix`` then applies the
-finished load (L1 pages allocated, data copied in, pages adopted by the tree) before the usual
-L1 match. A page that cannot be loaded (bad checksum, file gone) ends the load there: the
+finished load (its L1 pages, reserved by ``prefetch`` and filled by the loaders, adopted by
+the tree; no copy) before the usual L1 match. A page that cannot be loaded (bad checksum, file gone) ends the load there: the
 request computes the rest, and the miss is counted.
+
+Shared prefixes in flight are computed once: a running request's prompt pages that are not in
+the tree yet are registered as *being computed* (page hash -> request). A waiting request
+whose next uncached page is one of them waits (``joins_computing``) until the tree has it,
+instead of computing the same KV a second time; a request sharing nothing never waits.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from ..request import Request
 from .hashing import chain_hashes, root_hash
 from .pool import PageAllocator
 from .radix import DEVICE, DISK, HOST, NUM_TIERS, TIER_NAMES, Node, RadixTree
-from .tiers.backend import LoadJob, TierBackend
+from .tiers.backend import LoadJob, LoadStats, TierBackend
 from .tiers.policy import TierManager, TierPolicy
 
 
@@ -41,6 +46,7 @@ class CacheStats:
     load_seconds: float = 0.0  # sum over loads of (queued -> data ready)
     load_seconds_max: float = 0.0
     load_failures: int = 0  # loads cut short by a page that could not be read
+    load: LoadStats = field(default_factory=LoadStats)  # all loads: seconds and bytes by tier
 
 
 class KVCacheManager:
@@ -62,6 +68,8 @@ class KVCacheManager:
         self.max_loads = max_loads  # loads started and not yet applied (bounds staged data)
         self._jobs: set[LoadJob] = set()
         self._orphans: list[LoadJob] = []  # loads of requests that went away, still running
+        self._load_pages = 0  # L1 pages held by loads not yet applied (at most half the pool)
+        self._computing: dict[bytes, Request] = {}  # page hash -> the running request computing it
 
     # ------------------------------------------------------------------ hashing
     def root(self, salt: str | None) -> bytes:
@@ -107,10 +115,20 @@ class KVCacheManager:
         if job is None:
             req.kv_prefetched = True
             return False
-        if len(self._jobs) >= self.max_loads and not force:
+        busy = len(self._jobs) >= self.max_loads or self._load_pages >= self.allocator.num_pages // 2
+        if busy and not force:
             return True
         req.kv_prefetched = True
         self.tree.lock(job.locked)  # keeps the L1 prefix and the L2 slots being read in place
+        need = len(job.sources) + len(job.probe)
+        self.ensure_free(need)
+        n = min(need, self.allocator.num_free)  # L1 full of locked pages: load what fits
+        if n == 0:
+            self.tree.unlock(job.locked)
+            return False
+        job.truncate(n)
+        job.dest = self.allocator.alloc(n)
+        self._load_pages += n
         self._jobs.add(job)
         req.kv_load = job
         self.tiers.backend.start_load(job)
@@ -135,24 +153,27 @@ class KVCacheManager:
                 self._drop_job(job)
 
     def _drop_job(self, job: LoadJob) -> None:
+        """Forget a finished load: its L1 pages not adopted go back to the allocator."""
         assert self.tiers is not None and self.tree is not None
-        self.tiers.backend.drop_load(job)
+        self.allocator.free(job.dest)
+        self._load_pages -= len(job.dest)
+        job.dest = []
         self.tree.unlock(job.locked)
         self._jobs.discard(job)
 
     def _apply_load(self, req: Request) -> list[int]:
-        """Bring a finished load into L1 and the tree; returns pages adopted per source tier."""
+        """Adopt a finished load's pages (already in L1) into the tree; returns pages adopted
+        per source tier."""
         assert self.tiers is not None and self.tree is not None
         job = req.kv_load
         assert job is not None and job.done
         req.kv_load = None
         adopted = [0] * NUM_TIERS
         n = job.num_loaded
-        if n and not self.ensure_free(n):
-            n = min(n, self.allocator.num_free)  # L1 is full of locked pages: take what fits
         if n:
-            pages = self.allocator.alloc(n)
-            self.tiers.backend.finish_load(job, pages)
+            pages, job.dest = job.dest[:n], job.dest[n:]  # the rest is freed with the job
+            self._load_pages -= n
+            self.tiers.backend.finish_load(job, n)
             end = job.start + n
             tokens = req.all_token_ids
             m, kept = self.tree.insert(req.page_hashes[:end], tokens[: end * self.page_size],
@@ -171,11 +192,35 @@ class KVCacheManager:
         s.loaded_pages += n
         s.load_seconds += job.seconds
         s.load_seconds_max = max(s.load_seconds_max, job.seconds)
+        s.load.add(job)
+        req.load_stats.add(job)
         if job.failed_at is not None:
             s.load_failures += 1
             if job.failed_at < len(job.sources) and job.sources[job.failed_at][0] == DISK:
                 self.tiers.forget_disk(job.source_nodes[job.failed_at])
         return adopted
+
+    # ------------------------------------------------------------------ shared prefixes in flight
+    def joins_computing(self, req: Request) -> bool:
+        """True while the first page of ``req``'s prompt that the tree lacks is being computed
+        by another running request: ``req`` then waits for it rather than computing it again."""
+        if self.tree is None or not self._computing:
+            return False
+        hashes = self._lookup_hashes(req)
+        k = self.tree.match(hashes, touch=False, count_hit=False).num_pages
+        return k < len(hashes) and self._computing.get(hashes[k], req) is not req
+
+    def _register_computing(self, req: Request) -> None:
+        """At admission: the prompt pages ``req`` will compute become joinable."""
+        if self.tree is None:
+            return
+        for h in self._lookup_hashes(req)[req.num_tree_pages :]:
+            self._computing.setdefault(h, req)
+
+    def _unregister_computing(self, req: Request, hashes: list[bytes]) -> None:
+        for h in hashes:
+            if self._computing.get(h) is req:
+                del self._computing[h]
 
     def evict(self, tier: int = DEVICE, num_pages: int | None = None) -> int:
         """Evict (demote, per the tier policy) up to ``num_pages`` unlocked pages of ``tier``
@@ -227,6 +272,7 @@ class KVCacheManager:
             matched = len(pages) * self.page_size
         req.kv_prefetched = False
         req.num_computed_tokens = matched
+        self._register_computing(req)
         if first:
             req.num_cached_tokens = min(matched, req.num_prompt_tokens)
             by_tier = {TIER_NAMES[DEVICE]: req.num_cached_tokens}
@@ -287,6 +333,7 @@ class KVCacheManager:
         self.tree.lock(m.last)
         self.tree.unlock(req.locked_node)
         req.locked_node = m.last
+        self._unregister_computing(req, req.page_hashes[own:full])
         req.num_tree_pages = full
         if self.tiers is not None:
             self.tiers.after_insert(m.path)
@@ -313,6 +360,7 @@ class KVCacheManager:
         """Give back a finished, aborted or preempted request's pages (tree pages stay cached)."""
         if self.tree is not None:
             self.tree.unlock(req.locked_node)
+            self._unregister_computing(req, req.page_hashes[req.num_tree_pages :])
         if req.kv_load is not None:  # still loading (or loaded, not applied): nobody wants it
             job, req.kv_load = req.kv_load, None
             job.cancelled = True

@@ -476,6 +476,9 @@ class AsyncEngine:
                 m.tpot.observe(((req.finish_time or now) - req.first_token_time) / (n - 1))
         if reason != "abort":
             m.e2e.observe(now - arrival)
+        if req.load_stats.seconds:
+            m.load_seconds.observe(req.load_stats.seconds)
+            m.load_gb_per_s.observe(req.load_stats.gb_per_s)
         self.explainer.remember_pages(req, computed_tokens)
         return usage
 

@@ -27,6 +27,9 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
                 7.5, 10.0, 20.0, 40.0, 80.0)
+LOAD_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 2.0, 4.0, 8.0,
+                16.0, 32.0)
+GBPS_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0, 32.0)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
@@ -55,6 +58,11 @@ ENGINE_FIELDS = {
                                     "Bytes written to a lower KV tier."),
     "cache_pages_by_tier": ("kv_cached_pages", "gauge", "KV pages held, by tier."),
     "cache_capacity_pages_by_tier": ("kv_capacity_pages", "gauge", "KV page capacity, by tier."),
+    "cache_load_bytes_by_tier": ("kv_load_bytes_by_tier_total", "counter",
+                                 "Bytes of KV loaded into the device for prefix hits, by tier."),
+    "cache_load_read_seconds_by_tier": ("kv_load_read_seconds_by_tier_total", "counter",
+                                        "Seconds loaders spent reading and decoding prefix-hit "
+                                        "KV, by tier."),
 }
 
 
@@ -93,6 +101,8 @@ class ServerMetrics:
     prompt_encodings: dict[str, int] = field(default_factory=dict)
     engine_errors: int = 0  # steps that raised as a whole
     request_errors: int = 0  # requests the engine failed alone (the others went on)
+    load_seconds: Histogram = field(default_factory=lambda: Histogram(LOAD_BUCKETS))
+    load_gb_per_s: Histogram = field(default_factory=lambda: Histogram(GBPS_BUCKETS))
 
     def copy(self) -> ServerMetrics:
         return copy.deepcopy(self)
@@ -218,4 +228,8 @@ def render(engine_stats: dict, m: ServerMetrics, model_name: str) -> str:
     w.histogram("time_per_output_token_seconds",
                 "Mean time between output tokens, per request.", m.tpot)
     w.histogram("e2e_request_latency_seconds", "Time from request arrival to its end.", m.e2e)
+    w.histogram("kv_load_seconds", "Per request with a lower-tier hit: time from queueing its "
+                "KV load to the data in the device pool.", m.load_seconds)
+    w.histogram("kv_load_throughput_gb_per_s", "Per request with a lower-tier hit: bytes "
+                "loaded over that time (GB/s).", m.load_gb_per_s)
     return "\n".join(w.lines) + "\n"

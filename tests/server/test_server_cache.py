@@ -4,13 +4,14 @@ import random
 
 import httpx
 import pytest
-from server_helpers import PAGE, no_lower_tiers, start_server
+from server_helpers import PAGE, make_engine, no_lower_tiers, start_server
 
 from deepinfer.kv.cache_manager import KVCacheManager
 from deepinfer.kv.explain import explain_prefix
 from deepinfer.kv.hashing import chain_hashes
 from deepinfer.kv.pool import PageAllocator
 from deepinfer.kv.radix import DEVICE, HOST
+from deepinfer.sampling_params import SamplingParams
 
 
 def tokens(n, seed):
@@ -173,3 +174,25 @@ def test_explain_salt_and_disabled_cache(kv):
     assert explain_prefix(kv, a, salt="x").reason == "last_token"
     off = KVCacheManager(PageAllocator(8), PS, "model-id", enable_prefix_cache=False)
     assert explain_prefix(off, a).reason == "prefix_cache_disabled"
+
+
+def test_metrics_show_a_restarted_servers_l3_load(tiny_llama, tmp_path):
+    prompt = list(range(10, 71))  # 15 full pages looked up
+    eng = make_engine(tiny_llama, disk_cache_dir=str(tmp_path), host_cache_gb=0)
+    eng.run_to_completion([eng.add_request(prompt, SamplingParams(max_tokens=1))])
+    eng.shutdown()
+    srv = start_server(tiny_llama, {"disk_cache_dir": str(tmp_path), "host_cache_gb": 0})
+    try:
+        r = httpx.post(srv.url + "/v1/completions", timeout=60,
+                       json={"model": srv.server_obj.model_name, "prompt": prompt, "max_tokens": 1})
+        assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens_by_tier"] == {"disk": 60}
+        text = httpx.get(srv.url + "/metrics").text
+    finally:
+        srv.stop()
+    page = srv.async_engine.engine.tiers.disk_page_nbytes
+    assert f'deepinfer:kv_load_bytes_by_tier_total{{model_name="{srv.server_obj.model_name}",' \
+           f'tier="disk"}} {15 * page}' in text
+    assert "deepinfer:kv_load_seconds_count" in text
+    count = [l for l in text.splitlines() if l.startswith("deepinfer:kv_load_throughput_gb_per_s_count")]
+    assert count and count[0].endswith(" 1")
+

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from ..hashing import disk_key
-from ..radix import TIER_NAMES, Node
+from ..radix import NUM_TIERS, TIER_NAMES, Node
 from .disk_file import PageId
 
 DiskKey = str | bytes  # an L3 key (``disk_key``; the planner uses the page hash itself)
@@ -27,7 +27,8 @@ MOVES = ("device->host", "device->disk", "host->disk", "host->device", "disk->de
 @dataclass(eq=False)
 class LoadJob:
     """Pages to bring back into L1: ``sources`` (tier, slot or key) in chain order, then the
-    L3 keys in ``probe``, read until the first miss. Filled by the backend."""
+    L3 keys in ``probe``, read until the first miss, each straight into its L1 page of ``dest``
+    (allocated by the cache manager; ``dest`` may be shorter: then only that many load)."""
 
     sources: list[PageSource]
     probe: list[DiskKey] = field(default_factory=list)
@@ -35,19 +36,52 @@ class LoadJob:
     source_ids: list[PageId | None] = field(default_factory=list)
     probe_ids: list[PageId] = field(default_factory=list)
     t_start: float = field(default_factory=time.perf_counter)
+    dest: list[int] = field(default_factory=list)
     # set by the backend
     done: bool = False
     cancelled: bool = False
-    num_loaded: int = 0  # leading pages whose data is ready
+    num_loaded: int = 0  # leading pages of ``dest`` whose data is in place
     page_tiers: list[int] = field(default_factory=list)  # source tier of each loaded page
     failed_at: int | None = None  # index of a source page that could not be read
-    data: list[torch.Tensor] | None = None  # per owned buffer: the loaded pages (engine backend)
-    seconds: float = 0.0
+    seconds: float = 0.0  # queued -> data in place
+    seconds_by_tier: list[float] = field(default_factory=lambda: [0.0] * NUM_TIERS)  # reading
+    bytes_by_tier: list[int] = field(default_factory=lambda: [0] * NUM_TIERS)  # read, encoded
     # set by the cache manager
     start: int = 0  # first page (pages before it are in L1)
     prefix_pages: list[int] = field(default_factory=list)  # their L1 page ids
     locked: Node | None = None
     source_nodes: list[Node] = field(default_factory=list)  # tree node of each source page
+
+    def truncate(self, n: int) -> None:
+        """Load at most ``n`` pages (L1 had no room for more)."""
+        del self.sources[n:]
+        del self.source_ids[n:]
+        del self.source_nodes[n:]
+        del self.probe[max(0, n - len(self.sources)) :]
+        del self.probe_ids[max(0, n - len(self.sources)) :]
+
+
+@dataclass
+class LoadStats:
+    """A request's loads from the lower tiers, for its output and the metrics: ``seconds`` from
+    queueing the load to its data in L1, and per tier the seconds spent reading and decoding
+    and the (encoded) bytes read."""
+
+    seconds: float = 0.0
+    seconds_by_tier: dict[str, float] = field(default_factory=dict)
+    bytes_by_tier: dict[str, int] = field(default_factory=dict)
+
+    def add(self, job: LoadJob) -> None:
+        self.seconds += job.seconds
+        for t in range(1, NUM_TIERS):  # the lower tiers (L1 is never loaded from)
+            name = TIER_NAMES[t]
+            self.seconds_by_tier[name] = self.seconds_by_tier.get(name, 0.0) + job.seconds_by_tier[t]
+            self.bytes_by_tier[name] = self.bytes_by_tier.get(name, 0) + job.bytes_by_tier[t]
+
+    @property
+    def gb_per_s(self) -> float:
+        """Effective load throughput: bytes read over the whole wait (0 without a load)."""
+        return sum(self.bytes_by_tier.values()) / self.seconds / 1e9 if self.seconds else 0.0
 
 
 class TierBackend(ABC):
@@ -61,6 +95,7 @@ class TierBackend(ABC):
     host_capacity: int  # L2 pages (0: no L2)
     disk_capacity: int  # L3 pages the tree may index (0: no L3)
     codec_tag: str  # the disk codec's: part of every L3 key
+    moved: dict[str, int]  # pages per move (``MOVES``)
 
     def disk_key(self, page_hash: bytes) -> DiskKey:
         return disk_key(page_hash, self.codec_tag)
@@ -101,15 +136,12 @@ class TierBackend(ABC):
 
     @abstractmethod
     def start_load(self, job: LoadJob) -> None:
-        """Begin filling ``job`` (``job.done`` once filled)."""
+        """Begin filling ``job.dest`` (``job.done`` once the data is in place)."""
 
-    @abstractmethod
-    def finish_load(self, job: LoadJob, pages: list[int]) -> None:
-        """Copy the first ``len(pages)`` loaded pages of ``job`` into L1 ``pages``."""
-
-    def drop_load(self, job: LoadJob) -> None:
-        """Free what a finished job holds (its data was used or is no longer wanted)."""
-        job.data = None
+    def finish_load(self, job: LoadJob, n: int) -> None:
+        """The first ``n`` loaded pages of ``job`` were adopted: count their moves."""
+        for t in job.page_tiers[:n]:
+            self.moved[f"{TIER_NAMES[t]}->device"] += 1
 
     @abstractmethod
     def wait(self, timeout: float | None = None) -> bool:
@@ -172,13 +204,9 @@ class CountingBackend(TierBackend):
 
     def start_load(self, job: LoadJob) -> None:
         """Completes at once."""
-        job.page_tiers = [t for t, _ in job.sources]
-        job.num_loaded = len(job.sources)
+        job.page_tiers = [t for t, _ in job.sources][: len(job.dest)]
+        job.num_loaded = len(job.page_tiers)
         job.done = True
-
-    def finish_load(self, job: LoadJob, pages: list[int]) -> None:
-        for t in job.page_tiers[: len(pages)]:
-            self.moved[f"{TIER_NAMES[t]}->device"] += 1
 
     def wait(self, timeout: float | None = None) -> bool:
         return False

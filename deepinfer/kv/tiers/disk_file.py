@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import os
 import struct
 import zlib
 from array import array
@@ -34,6 +35,7 @@ MAGIC = b"DIKV"
 FORMAT_VERSION = 2  # 1: checksum over the payload only, no page binding (read as foreign)
 PREFIX = struct.Struct("<4sHI")  # magic, version, header_len
 MAX_HEADER = 64 * 1024
+HEAD_READ = 4096  # ``read_into``'s first read: prefix and header (a few hundred bytes)
 CRC32, KEYED = "crc32", "blake2b-keyed"
 _TAG_BYTES = {CRC32: 4, KEYED: 32}
 
@@ -124,14 +126,42 @@ class PageFormat:
         """Check a whole file: -> (header, payload). Raises BadFile. Namespace and tag
         algorithm are checked after the tag, so a damaged header is a checksum failure."""
         header, off = self.parse_header(key, data)
-        alg = header["tag_alg"]
-        n_tag = _TAG_BYTES[alg]
+        n_tag = _TAG_BYTES[header["tag_alg"]]
         if off + header["payload_len"] + n_tag != len(data):
             raise BadFile("corrupt", "length mismatch (truncated?)")
+        mv = memoryview(data)
+        self._check(header, [mv[:off], mv[off : len(data) - n_tag]], mv[len(data) - n_tag :], expect)
+        return header, mv[off : off + header["payload_len"]]
+
+    def read_into(self, fd: int, key: str, dest: Sequence[memoryview],
+                  expect: PageId | None = None) -> int:
+        """Read the payload of the open file ``fd`` straight into ``dest`` (filled in order; their
+        sizes sum to the payload's, else it is a "foreign" miss) with one ``preadv``, and check
+        it there, as ``parse`` does; -> the file's size. Raises BadFile (``dest`` then holds
+        garbage) or OSError."""
+        want = sum(d.nbytes for d in dest)
+        size = os.fstat(fd).st_size
+        head = os.pread(fd, min(size, HEAD_READ), 0)
+        if len(head) >= PREFIX.size and PREFIX.size + PREFIX.unpack_from(head)[2] > len(head):
+            head = os.pread(fd, min(size, PREFIX.size + MAX_HEADER), 0)  # a long header
+        header, off = self.parse_header(key, head)
+        tag = bytearray(_TAG_BYTES[header["tag_alg"]])
+        if off + header["payload_len"] + len(tag) != size:
+            raise BadFile("corrupt", "length mismatch (truncated?)")
+        if header["payload_len"] != want:  # the reader's layout, not the file, differs
+            raise BadFile("foreign", f"payload of {header['payload_len']} bytes, {want} expected")
+        if os.preadv(fd, [*dest, tag], off) != want + len(tag):
+            raise BadFile("corrupt", "short read (truncated meanwhile?)")
+        self._check(header, [memoryview(head)[:off], *dest], tag, expect)
+        return size
+
+    def _check(self, header: dict, parts: Sequence[bytes | memoryview], tag: bytes | memoryview,
+               expect: PageId | None) -> None:
+        """The tag over ``parts`` (everything before it), then namespace and page binding."""
+        alg = header["tag_alg"]
         if alg == KEYED and self.secret is None:
             raise BadFile("foreign", "keyed file, and this store has no secret")
-        mv = memoryview(data)
-        if not hmac.compare_digest(self.tag(mv[: len(data) - n_tag], alg=alg), mv[len(data) - n_tag :]):
+        if not hmac.compare_digest(self.tag(*parts, alg=alg), bytes(tag)):
             raise BadFile("checksum", "tag mismatch (damaged, or written without the secret)")
         if self.secret is not None and alg != KEYED:
             raise BadFile("foreign", "unkeyed file, and this store requires the secret")
@@ -143,4 +173,3 @@ class PageFormat:
             if expect.tokens_digest is not None and header.get("tokens") is not None \
                     and header["tokens"] != expect.tokens_digest.hex():
                 raise BadFile("mismatch", "the file holds other token ids")
-        return header, mv[off : off + header["payload_len"]]

@@ -35,6 +35,7 @@ import socket
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 
 from ...log_limit import RateLimitedLog
 from .disk_file import BadFile, PageFormat, PageId
@@ -287,20 +288,48 @@ class DiskStore:
         try:
             _, payload, size = self._read_checked(key, expect)
         except BadFile as bad:
-            with self._lock:
-                self._counters["misses"] += 1
-            self._reject(key, bad)
+            self._miss(key, bad)
             return None
+        self._hit(key, size, len(payload))
+        return payload if view else bytes(payload)
+
+    def read_into(self, key: str, dest: Sequence[memoryview], expect: PageId | None = None) -> bool:
+        """Like ``get``, but the payload lands in the caller's buffers ``dest`` (e.g. the L1
+        page it is a copy of) and is checked there, with no intermediate copy. False (and
+        ``dest`` garbage) if absent, bad, another page's or not exactly ``dest``'s size."""
+        self._check_open()
+        self._check_key(key)
+        try:
+            fd = os.open(self._file(key), os.O_RDONLY)
+        except OSError as e:
+            missing = e.errno in (errno.ENOENT, errno.ENOTDIR)
+            self._miss(key, BadFile("missing" if missing else "corrupt", str(e)))
+            return False
+        try:
+            size = self.format.read_into(fd, key, dest, expect)
+        except (BadFile, OSError) as e:
+            self._miss(key, e if isinstance(e, BadFile) else BadFile("corrupt", f"unreadable: {e}"))
+            return False
+        finally:
+            os.close(fd)
+        self._hit(key, size, sum(d.nbytes for d in dest))
+        return True
+
+    def _miss(self, key: str, bad: BadFile) -> None:
+        with self._lock:
+            self._counters["misses"] += 1
+        self._reject(key, bad)
+
+    def _hit(self, key: str, size: int, payload_len: int) -> None:
         with self._lock:
             self._add_locked(key, size)  # also adopts files written by other processes
             self._counters["hits"] += 1
-            self._counters["bytes_read"] += len(payload)
+            self._counters["bytes_read"] += payload_len
         if self.touch_on_hit:
             try:
                 os.utime(self._file(key))
             except OSError:
                 pass
-        return payload if view else bytes(payload)
 
     def contains(self, key: str) -> bool:
         """Cheap presence check: one stat, no read. A True can still turn into a get() miss."""

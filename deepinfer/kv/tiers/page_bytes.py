@@ -28,6 +28,11 @@ class KVTransfer(Protocol):
 
     def write_pages(self, pages: list[int], data: list[torch.Tensor]) -> None: ...
 
+    def page_views(self, page: int) -> list[memoryview] | None:
+        """Writable views of one page's bytes, per owned buffer (in the lossless byte layout),
+        for reads straight into L1; None where the pool is not in host memory."""
+        ...
+
 
 class PoolTransfer:
     """``KVTransfer`` over a ``PagePool``."""
@@ -38,12 +43,21 @@ class PoolTransfer:
         self.shapes = [tuple(b.shape[1:]) for b in bufs]
         self.dtype = pool.dtype
         self.device = bufs[0].device
+        # per owned buffer: its bytes as one flat memoryview, and one page's byte count
+        self._bytes = ([memoryview(b.view(torch.uint8).reshape(-1).numpy()) for b in bufs]
+                       if self.device.type == "cpu" and all(b.is_contiguous() for b in bufs) else None)
+        self._page_nbytes = [b[0].numel() * b.element_size() for b in bufs]
 
     def read_pages(self, pages: list[int]) -> list[torch.Tensor]:
         return self.pool.read_pages(pages)
 
     def write_pages(self, pages: list[int], data: list[torch.Tensor]) -> None:
         self.pool.write_pages(pages, data)
+
+    def page_views(self, page: int) -> list[memoryview] | None:
+        if self._bytes is None:
+            return None
+        return [mv[page * n : (page + 1) * n] for mv, n in zip(self._bytes, self._page_nbytes)]
 
 
 def page_nbytes(codec: Codec, shapes: list[tuple[int, ...]], dtype: torch.dtype) -> int:

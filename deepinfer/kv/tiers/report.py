@@ -26,6 +26,8 @@ def tier_fields(s: CacheStats, t: dict[str, Any]) -> dict[str, Any]:
         "cache_load_seconds_total": s.load_seconds,
         "cache_load_seconds_max": s.load_seconds_max,
         "cache_load_failures_total": s.load_failures,
+        "cache_load_bytes_by_tier": dict(s.load.bytes_by_tier),
+        "cache_load_read_seconds_by_tier": dict(s.load.seconds_by_tier),
         "cache_checksum_failures_total": disk.get("checksum_failures", 0),
         "cache_corrupt_files_total": disk.get("corrupt_files", 0),
         "cache_foreign_files_total": disk.get("foreign_files", 0),

@@ -15,9 +15,8 @@ Threads, so that neither decoding nor the scheduler waits on a copy:
   ``write_file``'s files that are no tree page: window snapshots).
   Bounded by ``max_pending_bytes``: beyond it a write is refused (the page simply is not on
   disk), never waited for. Failures are reported to the tier manager (``poll_failed_writes``).
-* loaders (two): read L2 slots / L3 files of a ``LoadJob``, decode them (on the device, on a
-  side stream, when on CUDA) and mark the job done; the main thread then copies the pages into
-  L1 (``finish_load``), a device-local copy.
+* loaders: ``PageLoader`` (``page_loader.py``) brings a ``LoadJob``'s pages into the L1 pages
+  the cache manager reserved for it, with its own loader and reader threads.
 
 On CUDA: host slots are pinned, device->host copies are ``non_blocking`` on a side stream
 whose completion the writer thread waits for, and loads decode on a side stream.
@@ -26,7 +25,6 @@ whose completion the writer thread waits for, and loads decode on a side stream.
 from __future__ import annotations
 
 import atexit
-import contextlib
 import logging
 import os
 import threading
@@ -36,16 +34,15 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
-import numpy as np
 import torch
 
 from ...log_limit import RateLimitedLog
-from ..radix import DISK, HOST
 from .backend import MOVES, LoadJob, TierBackend
 from .codecs import Codec, get_codec
 from .disk_store import DiskStore
 from .host_store import HostStore
 from .page_bytes import KVTransfer, check_codec, decode_pages, encode_pages, page_nbytes
+from .page_loader import PageLoader
 from .disk_file import PageId
 
 log = logging.getLogger(__name__)
@@ -100,17 +97,17 @@ class TierIO(TierBackend):
         self._failed: deque[str] = deque()
         self._host_exec = ThreadPoolExecutor(1, thread_name_prefix="deepinfer-l2-writer")
         self._disk_exec = ThreadPoolExecutor(1, thread_name_prefix="deepinfer-l3-writer")
-        self._load_exec = ThreadPoolExecutor(loaders, thread_name_prefix="deepinfer-kv-loader")
-        self.read_ahead = read_ahead  # L3 files a load reads at once (queue depth; checksums on all cores)
-        self._io_exec = ThreadPoolExecutor(read_ahead, thread_name_prefix="deepinfer-l3-reader")
-        self._loads_running = 0
         self._closed = False
         self.counters = dict.fromkeys(
             ["host_bytes_written", "host_bytes_read", "disk_bytes_written", "disk_bytes_read",
-             "host_pages_written", "host_pages_read", "disk_pages_written", "disk_pages_read",
-             "disk_files_written", "disk_files_read", "disk_writes_dropped", "disk_write_errors",
-             "load_errors"], 0)  # fmt: skip
+             "host_pages_written", "host_pages_read", "disk_pages_written", "disk_files_written",
+             "disk_files_read", "disk_writes_dropped", "disk_write_errors"], 0)  # fmt: skip
         self._side = torch.cuda.Stream(self.device) if self.cuda else None
+        # read_ahead: reader threads of a load (queue depth; checksums on all cores)
+        self.loader = PageLoader(transfer, self.host_codec, self.disk_codec, self.host_page_nbytes,
+                                 self.disk_page_nbytes, self.store, self._read_host,
+                                 self._wait_written, self._side, loaders=loaders,
+                                 readers=read_ahead)
         self._log = RateLimitedLog(log)
         _live.add(self)
 
@@ -303,129 +300,25 @@ class TierIO(TierBackend):
         return self.store.known(key) if indexed else self.store.contains(key)
 
     def start_load(self, job: LoadJob) -> None:
-        with self._lock:
-            self._loads_running += 1
-        self._load_exec.submit(self._run_load, job)
+        self.loader.start(job)
 
     def _disk_get(self, key: str, page: PageId | None, nbytes: int | None = None
                   ) -> memoryview | None:
         """The payload of ``key`` if intact, holding ``page`` and ``nbytes`` (default: one
         page) long."""
         assert self.store is not None
-        with self._lock:
-            fut = self._disk_pending.get(key)
-        if fut is not None:
-            fut.result()  # written meanwhile (or failed: then the get misses)
+        self._wait_written(key)
         b = self.store.get(key, view=True, expect=page)
         return b if b is not None and len(b) == (nbytes or self.disk_page_nbytes) else None
 
-    def _disk_get_many(self, keys: list[str], ids: list[PageId | None], job: LoadJob
-                       ) -> list[memoryview]:
-        """The leading run of ``keys`` whose files read back intact, in order: up to
-        ``read_ahead`` reads in flight, stopping at the first miss (the reads past it are
-        wasted, and cheap)."""
-        out: list[memoryview] = []
-        futs: deque = deque()
-        nxt = 0
-        while nxt < len(keys) and len(futs) < self.read_ahead:
-            futs.append(self._io_exec.submit(self._disk_get, keys[nxt], ids[nxt]))
-            nxt += 1
-        while futs:
-            b = futs.popleft().result()
-            if b is None or job.cancelled:
-                for f in futs:
-                    f.cancel()
-                break
-            out.append(b)
-            if nxt < len(keys):
-                futs.append(self._io_exec.submit(self._disk_get, keys[nxt], ids[nxt]))
-                nxt += 1
-        return out
-
-    def _run_load(self, job: LoadJob) -> None:
-        runs: list[tuple[int, Any]] = []  # (tier, rows) in chain order
-        tiers: list[int] = []
-        try:
-            i = 0
-            src = job.sources
-            while i < len(src) and not job.cancelled:
-                tier = src[i][0]
-                j = i
-                while j < len(src) and src[j][0] == tier:
-                    j += 1
-                if tier == HOST:
-                    runs.append((HOST, self._read_host([s for _, s in src[i:j]])))
-                    tiers += [HOST] * (j - i)
-                else:
-                    keys = [k for _, k in src[i:j]]
-                    got = self._disk_get_many(keys, job.source_ids[i:j], job)
-                    if got:
-                        runs.append((DISK, got))
-                        tiers += [DISK] * len(got)
-                    if len(got) < len(keys):
-                        job.failed_at = len(tiers)
-                        break
-                i = j
-            if job.failed_at is None and not job.cancelled and job.probe:
-                got = self._disk_get_many(job.probe, job.probe_ids, job)
-                if got:
-                    runs.append((DISK, got))
-                    tiers += [DISK] * len(got)
-            if not job.cancelled and tiers:
-                job.data = self._decode_runs(runs)
-                job.page_tiers = tiers
-                job.num_loaded = len(tiers)
-        except Exception:  # noqa: BLE001 - a failed load is a miss, never an error
-            log.exception("KV load failed")
-            with self._lock:
-                self.counters["load_errors"] += 1
-            job.data, job.num_loaded, job.page_tiers = None, 0, []
-            if job.failed_at is None and job.sources:
-                job.failed_at = 0
-        job.seconds = time.perf_counter() - job.t_start
-        disk_runs = [rs for t, rs in runs if t == DISK]
-        with self._cv:
-            self.counters["disk_pages_read"] += sum(len(rs) for rs in disk_runs)
-            self.counters["disk_bytes_read"] += sum(len(r) for rs in disk_runs for r in rs)
-            job.done = True
-            self._loads_running -= 1
-            self._cv.notify_all()
-
-    def _decode_runs(self, runs: list[tuple[int, Any]]) -> list[torch.Tensor]:
-        """Encoded runs (L2 rows, or L3 payloads) -> per-buffer page tensors on the device."""
-        parts: list[list[torch.Tensor]] = []
-        with torch.cuda.stream(self._side) if self.cuda else contextlib.nullcontext():
-            for tier, rows in runs:
-                if tier == DISK:  # payload views -> one [n, nbytes] tensor (the one copy)
-                    buf = np.empty((len(rows), self.disk_page_nbytes), dtype=np.uint8)
-                    for r, b in enumerate(rows):
-                        buf[r] = np.frombuffer(b, dtype=np.uint8)
-                    rows = torch.from_numpy(buf)
-                codec = self.host_codec if tier == HOST else self.disk_codec
-                if self.cuda:
-                    rows = rows.pin_memory().to(self.device, non_blocking=True)
-                parts.append(decode_pages(codec, rows, self.shapes, self.dtype))
-            out = [torch.cat([p[c] for p in parts]) if len(parts) > 1 else parts[0][c]
-                   for c in range(len(self.shapes))]
-        if self.cuda:
-            self._side.synchronize()  # the main thread's copy into L1 runs on its own stream
-        return out
-
-    def finish_load(self, job: LoadJob, pages: list[int]) -> None:
-        n = len(pages)
-        if self.cuda:  # made on the side stream, read on this one: keep the memory until then
-            for d in job.data:
-                d.record_stream(torch.cuda.current_stream(self.device))
-        self.transfer.write_pages(pages, [d[:n] for d in job.data])
-        for t in job.page_tiers[:n]:
-            self.moved["host->device" if t == HOST else "disk->device"] += 1
+    def _wait_written(self, key: str) -> None:
+        with self._lock:
+            fut = self._disk_pending.get(key)
+        if fut is not None:
+            fut.result()  # written meanwhile (or failed: then the read misses)
 
     def wait(self, timeout: float | None = None) -> bool:
-        with self._cv:
-            if self._loads_running == 0:
-                return False
-            self._cv.wait(timeout)
-            return True
+        return self.loader.wait(timeout)
 
     # ---------------------------------------------------------------- lifecycle
     def flush(self, timeout: float | None = None) -> bool:
@@ -446,8 +339,9 @@ class TierIO(TierBackend):
         ok = self.flush(timeout)
         with self._lock:
             self._closed = True
-        for ex in (self._host_exec, self._disk_exec, self._load_exec, self._io_exec):
+        for ex in (self._host_exec, self._disk_exec):
             ex.shutdown(wait=ok, cancel_futures=not ok)
+        self.loader.close(wait=ok)
         if self.store is not None:
             self.store.close()
         _live.discard(self)
@@ -457,6 +351,8 @@ class TierIO(TierBackend):
         with self._lock:
             c = dict(self.counters)
             pending = self._pending_bytes
+        for k, v in self.loader.stats().items():  # bytes read: window files here, pages there
+            c[k] = c.get(k, 0) + v
         out: dict[str, Any] = {**c, "disk_pending_bytes": pending, "pages_moved": dict(self.moved),
                                "host_codec": self.host_codec.tag, "disk_codec": self.disk_codec.tag,
                                "host_page_bytes": self.host_page_nbytes,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import json
 import os
 import signal
 import subprocess
@@ -284,3 +285,32 @@ def test_concurrent_threads_put_get(tmp_path: Path) -> None:
     st = s.stats()
     assert st["checksum_failures"] == st["corrupt_files"] == 0
     assert st["bytes"] == sum(f.stat().st_size for f in kv_files(tmp_path)) <= 200_000
+
+
+def _split(buf: bytearray, sizes: list[int]) -> list[memoryview]:
+    mv, out, off = memoryview(buf), [], 0
+    for n in sizes:
+        out.append(mv[off : off + n])
+        off += n
+    return out
+
+
+def test_read_into_fills_the_callers_buffers_and_checks_them_there(store: DiskStore) -> None:
+    payload = os.urandom(3 * 4096 + 100)
+    assert store.put(key(1), payload, 16)
+    header = json.loads(Path(store.path, key(1)[:2], f"{key(1)}.kv").read_bytes()[10:].split(b"}")[0] + b"}")
+    assert header["tag_alg"] == "crc32"
+    buf = bytearray(len(payload))
+    assert store.read_into(key(1), _split(buf, [4096, 4096, 4196]))  # in pieces, like L1 buffers
+    assert bytes(buf) == payload
+    assert not store.read_into(key(1), _split(bytearray(len(payload) + 1), [len(payload) + 1]))
+    assert not store.read_into(key(2), _split(bytearray(8), [8]))  # absent
+    s = store.stats()
+    assert (s["hits"], s["misses"], s["bytes_read"]) == (1, 2, len(payload))
+    # a damaged payload is caught in the caller's buffers, counted and quarantined
+    path = Path(store.path, key(1)[:2], f"{key(1)}.kv")
+    data = bytearray(path.read_bytes())
+    data[-7] ^= 0x10
+    path.write_bytes(bytes(data))
+    assert not store.read_into(key(1), _split(buf, [len(payload)]))
+    assert store.stats()["checksum_failures"] == 1 and not path.exists()

@@ -16,6 +16,7 @@ from deepinfer.kv.radix import DISK, HOST
 from deepinfer.kv.tiers.backend import LoadJob
 from deepinfer.kv.tiers.page_bytes import PoolTransfer, decode_pages, encode_pages, page_nbytes
 from deepinfer.kv.tiers.disk_file import page_id
+from deepinfer.kv.tiers.page_loader import PageLoader
 from deepinfer.kv.tiers.tier_io import TierIO
 
 PS = 4
@@ -78,11 +79,11 @@ def test_host_roundtrip_and_pending_writes_are_waited_for():
     slots = t.host_alloc(3)
     t.device_to_host([1, 2, 3], slots)
     src.owned_buffers()[0][1:4] = 0  # the copy was captured before device_to_host returned
-    job = LoadJob(sources=[(HOST, s) for s in slots])
+    job = LoadJob(sources=[(HOST, s) for s in slots], dest=[5, 6, 7])  # into the backend's own pool
     t.start_load(job)
     wait_done(job)
     assert job.num_loaded == 3 and job.page_tiers == [HOST] * 3
-    t.finish_load(job, [5, 6, 7])  # into the backend's own pool
+    assert job.bytes_by_tier[HOST] == 3 * t.host_page_nbytes
     pages_equal(pool(0), src, [1, 2, 3], [5, 6, 7])
     s = t.stats()
     assert s["host_pages_written"] == 3 and s["host_pages_read"] == 3
@@ -97,7 +98,7 @@ def test_disk_write_through_then_a_fresh_backend_finds_pages_by_key(tmp_path):
     keys = [a.disk_key(h) for h in hashes]
     assert a.device_to_disk([1, 2, 3, 4], keys, ids(hashes))
     assert a.disk_contains(keys[0])  # pending counts as present, and a load waits for it
-    job = LoadJob(sources=[], probe=keys, probe_ids=ids(hashes))
+    job = LoadJob(sources=[], probe=keys, probe_ids=ids(hashes), dest=[5, 6, 7, 8])
     a.start_load(job)
     wait_done(job)
     assert job.num_loaded == 4
@@ -105,11 +106,11 @@ def test_disk_write_through_then_a_fresh_backend_finds_pages_by_key(tmp_path):
     b = io(dst, tmp_path, host_bytes=0)  # "another process": empty state, same directory
     assert b.disk_contains(keys[2])
     job = LoadJob(sources=[], probe=keys + [a.disk_key(b"\x09" * 16)],
-                  probe_ids=ids(hashes + [b"\x09" * 16]))
+                  probe_ids=ids(hashes + [b"\x09" * 16]), dest=[8, 9, 10, 11, 12])
     b.start_load(job)
     wait_done(job)
     assert job.num_loaded == 4 and job.failed_at is None  # the probe stops at the first miss
-    b.finish_load(job, [8, 9, 10, 11])
+    assert job.bytes_by_tier[DISK] == 4 * b.disk_page_nbytes
     pages_equal(pool(0), dst, [1, 2, 3, 4], [8, 9, 10, 11])
     assert b.stats()["disk_bytes_read"] > 0
     b.close()
@@ -146,11 +147,10 @@ def test_l2_to_l3_transcodes_between_codecs(tmp_path):
     s2 = t.host_alloc(2)
     t.device_to_host([5, 6], s2)  # reuses the slots
     assert t.flush()
-    job = LoadJob(sources=[(DISK, k) for k in keys], source_ids=ids(hashes))
+    job = LoadJob(sources=[(DISK, k) for k in keys], source_ids=ids(hashes), dest=[7, 8])
     t.start_load(job)
     wait_done(job)
-    assert job.num_loaded == 2
-    t.finish_load(job, [7, 8])
+    assert job.num_loaded == 2 and not t.loader.direct_reads  # fp8: staged, decoded into L1
     pages_equal(pool(0), src, [1, 2], [7, 8], atol=0.3)
     t.close()
 
@@ -191,7 +191,7 @@ def test_corrupt_file_stops_the_load_and_is_counted(tmp_path):
     data = bytearray(f.read_bytes())
     data[-5] ^= 0xFF
     f.write_bytes(bytes(data))
-    job = LoadJob(sources=[(DISK, k) for k in keys], source_ids=ids(hashes))
+    job = LoadJob(sources=[(DISK, k) for k in keys], source_ids=ids(hashes), dest=[4, 5, 6])
     t.start_load(job)
     wait_done(job)
     assert job.num_loaded == 1 and job.failed_at == 1
@@ -227,3 +227,67 @@ def test_close_flushes_and_is_idempotent(tmp_path):
     assert len(list(tmp_path.glob("??/*.kv"))) == 8
     assert not t.device_to_disk([1], [t.disk_key(b"\x77" * 16)], ids([b"\x77" * 16]))  # closed: refused, not raised
     assert os.path.isdir(tmp_path)
+
+
+def big_pool(n, seed=0):
+    p = PagePool(SPECS, 2 * n + 2, PS, torch.float32, torch.device("cpu"))
+    g = torch.Generator().manual_seed(seed)
+    for b in p.owned_buffers():
+        b.copy_(torch.randn(b.shape, generator=g))
+    return p
+
+
+@pytest.mark.parametrize("codec", ["lossless", "fp8", "fp4"])
+def test_parallel_l3_load_lands_in_the_dest_pages_in_chain_order(tmp_path, codec):
+    n = 3 * PageLoader.READ_CHUNK + 5  # several chunks per reader thread, one partial
+    p = big_pool(n)
+    t = io(p, tmp_path, host_bytes=0, disk_codec=codec, read_ahead=3)
+    assert t.loader.direct_reads == (codec == "lossless")
+    hs = [i.to_bytes(4, "little") * 4 for i in range(n)]
+    keys = [t.disk_key(h) for h in hs]
+    src = list(range(1, n + 1))
+    assert t.device_to_disk(src, keys, ids(hs)) and t.flush()
+    dest = list(range(n + 1, 2 * n + 1))
+    job = LoadJob(sources=[(DISK, k) for k in keys], source_ids=ids(hs), dest=dest)
+    t.start_load(job)
+    wait_done(job)
+    assert job.num_loaded == n and job.failed_at is None and job.page_tiers == [DISK] * n
+    # exactly what the codec's own decode gives (lossless: the very bytes)
+    want = decode_pages(t.disk_codec, encode_pages(t.disk_codec, p.read_pages(src)), t.shapes,
+                        torch.float32)
+    for w, got in zip(want, p.read_pages(dest)):
+        assert torch.equal(w, got)
+    assert job.bytes_by_tier[DISK] == n * t.disk_page_nbytes == t.stats()["disk_bytes_read"]
+    t.close()
+
+
+@pytest.mark.parametrize("how", ["reader dies", "file damaged"])
+def test_a_failure_mid_load_applies_exactly_the_pages_before_it(tmp_path, how):
+    n, bad = 4 * PageLoader.READ_CHUNK, PageLoader.READ_CHUNK + 3
+    p = big_pool(n)
+    t = io(p, tmp_path, host_bytes=0, read_ahead=4)
+    hs = [i.to_bytes(4, "little") * 4 for i in range(n)]
+    keys = [t.disk_key(h) for h in hs]
+    assert t.device_to_disk(list(range(1, n + 1)), keys, ids(hs)) and t.flush()
+    if how == "file damaged":
+        f = tmp_path / keys[bad][:2] / f"{keys[bad]}.kv"
+        data = bytearray(f.read_bytes())
+        data[len(data) // 2] ^= 1
+        f.write_bytes(bytes(data))
+    else:
+        read_into = t.store.read_into
+
+        def dies(key, dest, expect=None):
+            if key == keys[bad]:
+                raise RuntimeError("loader killed mid-read")
+            return read_into(key, dest, expect)
+
+        t.store.read_into = dies
+    job = LoadJob(sources=[(DISK, k) for k in keys], source_ids=ids(hs),
+                  dest=list(range(n + 1, 2 * n + 1)))
+    t.start_load(job)
+    wait_done(job)
+    assert job.num_loaded == bad and job.failed_at == bad
+    assert job.page_tiers == [DISK] * bad
+    pages_equal(p, p, list(range(1, bad + 1)), list(range(n + 1, n + bad + 1)))
+    t.close()

@@ -1,0 +1,174 @@
+"""TTFT of a mostly cached long prompt, from each tier, next to cold prefill and the read bound
+(issue 17), one run, side by side.
+
+For each codec, prompt size and hit rate: a prompt whose first ``hit`` share (whole pages) is
+cached answers its first token from L1, from L2, from L3 with its files in the OS page cache,
+and from L3 cold (the files dropped from the page cache with ``posix_fadvise(DONTNEED)``), the
+L3 cases in a fresh process each; next to (a) the cold prefill of the same prompt and (b) the
+bound: a plain sequential read of the same files (page-cached, and cold) plus the prefill of
+the uncached tail (the L1 TTFT stands for it). Every TTFT uses a fresh tail, so no case hits
+another's tail pages. llama.cpp's RAM cache is not measured here.
+
+    python benchmarks/ttft_cache.py [--model PATH] [--sizes 2000,4000,8000] [--hits 0.96,0.99]
+        [--codecs lossless,fp8,fp4] [--out results/ttft_cache]
+
+Writes ``summary.json`` and ``summary.md`` under ``--out``; prints the CPU model with them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from tiers import drop_page_cache, llm, one_token, random_ids  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+CHUNK = 2048
+
+_CHILD = """
+import json, sys
+sys.path.insert(0, {repo!r})
+from deepinfer.llm import LLM
+from deepinfer.sampling_params import SamplingParams
+model, disk, codec, pfile = sys.argv[1:5]
+m = LLM(model or None, progress=False, num_pages={num_pages}, max_num_batched_tokens={chunk},
+        host_cache_gb=0, kv_codec_disk=codec, enable_disk_cache=True, disk_cache_dir=disk)
+one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+m.generate(list(range(1000, 1000 + {tail})), one)  # warm-up: the tail's shapes, shares nothing
+out = m.generate(json.load(open(pfile)), one)[0]
+print(json.dumps({{"ttft": out.ttft, "by_tier": out.cached_tokens_by_tier,
+                  "load_seconds": out.load_seconds, "load_bytes": out.load_bytes_by_tier,
+                  "load_gb_per_s": out.load_gb_per_s}}))
+"""
+
+
+def ttft(m, prompt) -> tuple[float, dict]:
+    out = m.generate(prompt, one_token())[0]
+    return out.ttft, dict(out.cached_tokens_by_tier)
+
+
+def read_all(paths: list[str]) -> float:
+    """Seconds to read ``paths`` in order with a plain loop (the raw-read bound)."""
+    t0 = time.perf_counter()
+    for p in paths:
+        with open(p, "rb") as f:
+            while f.read(1 << 22):
+                pass
+    return time.perf_counter() - t0
+
+
+def l3_child(model, disk: Path, codec: str, prompt: list[int], tail: int, num_pages: int,
+             work: Path) -> dict:
+    pfile = work / "prompt.json"
+    pfile.write_text(json.dumps(prompt))
+    child = _CHILD.format(repo=str(REPO), num_pages=num_pages, chunk=CHUNK, tail=tail)
+    out = subprocess.run([sys.executable, "-c", child, model or "", str(disk), codec, str(pfile)],
+                         capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def one_case(model, codec: str, n: int, hit: float, work: Path) -> dict:
+    m = llm(model, num_pages=4)
+    vocab, ps = m.engine.hf_config.vocab_size, m.engine.config.page_size
+    del m
+    base = random_ids(int(n * hit) // ps * ps, vocab, seed=n)
+    tails = [random_ids(n - len(base), vocab, seed=100 + i) for i in range(5)]
+    disk = work / f"l3-{codec}-{n}-{hit}"
+    num_pages = n // ps * 4 + 64
+    m = llm(model, num_pages=num_pages, max_num_batched_tokens=CHUNK, host_cache_gb=4.0,
+            kv_codec_host=codec, kv_codec_disk=codec, enable_disk_cache=True,
+            disk_cache_dir=str(disk))
+    ttft(m, random_ids(len(tails[0]), vocab, seed=7))  # warm-up: the tail's shapes
+    row: dict = {"codec": codec, "prompt_tokens": n, "cached_tokens": len(base)}
+    row["cold"], by = ttft(m, base + tails[0])  # nothing cached: fills L1 and L3
+    assert sum(by.values()) == 0, by
+    row["l1"], by = ttft(m, base + tails[1])
+    assert by["device"] == len(base), by
+    m.engine.kv.evict()  # L1 -> L2
+    m.engine.tiers.flush()
+    row["l2"], by = ttft(m, base + tails[2])
+    assert by["host"] == len(base), by
+    eng = m.engine
+    from deepinfer.kv.hashing import chain_hashes
+
+    keys = [eng.tiers.disk_key(h) for h in chain_hashes(base, ps, eng.kv.root(None))]
+    files = [str(disk / k[:2] / f"{k}.kv") for k in keys]
+    assert eng.shutdown()
+    row["bytes"] = sum(os.path.getsize(f) for f in files)
+    read_all(files)
+    row["raw_read_cached"] = read_all(files)
+    drop_page_cache(files)
+    row["raw_read_cold"] = read_all(files)
+    read_all(files)  # back in the page cache
+    for case, tail in (("l3_cached", tails[3]), ("l3_cold", tails[4])):
+        if case == "l3_cold":
+            drop_page_cache(files)
+        r = l3_child(model, disk, codec, base + tail, len(tail), num_pages, work)
+        assert r["by_tier"]["disk"] == len(base), r
+        row[case] = r["ttft"]
+        row[f"{case}_load_seconds"] = r["load_seconds"]
+        row[f"{case}_load_gb_per_s"] = r["load_gb_per_s"]
+    for state in ("cached", "cold"):
+        row[f"bound_{state}"] = row[f"raw_read_{state}"] + row["l1"]
+        row[f"l3_{state}_vs_bound"] = row[f"l3_{state}"] / row[f"bound_{state}"]
+        row[f"load_vs_raw_{state}"] = row[f"raw_read_{state}"] / row[f"l3_{state}_load_seconds"]
+        row[f"speedup_l3_{state}"] = row["cold"] / row[f"l3_{state}"]
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def markdown(rows: list[dict], cpu: str) -> str:
+    head = ("| codec | prompt | hit | cold | L1 | L2 | L3 cached | L3 cold | bound cached | "
+            "bound cold | L3 cold speed-up | L3 load / raw read (cached, cold) |")
+    lines = [f"CPU: {cpu}. TTFT in seconds; bound = raw read of the same files + the L1 TTFT "
+             "(tail prefill); L3 cases each in a fresh process.", "", head,
+             "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        hit = r["cached_tokens"] / r["prompt_tokens"]
+        lines.append(
+            f"| {r['codec']} | {r['prompt_tokens']} | {hit:.1%} | {r['cold']:.2f} | {r['l1']:.3f} | "
+            f"{r['l2']:.3f} | {r['l3_cached']:.3f} | {r['l3_cold']:.3f} | {r['bound_cached']:.3f} | "
+            f"{r['bound_cold']:.3f} | {r['speedup_l3_cold']:.1f}x | "
+            f"{r['load_vs_raw_cached']:.2f}x, {r['load_vs_raw_cold']:.2f}x |")
+    return "\n".join(lines) + "\n"
+
+
+def cpu_model() -> str:
+    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    return next((l.split(":", 1)[1].strip() for l in out.splitlines() if l.startswith("Model name")),
+                "unknown")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None, help="checkpoint (default: embedded SmolLM2-135M)")
+    ap.add_argument("--sizes", default="2000,4000,8000")  # the 8K prompt: 8,000 tokens + 1 fits 8192
+    ap.add_argument("--hits", default="0.96,0.99")
+    ap.add_argument("--codecs", default="lossless,fp8,fp4")
+    ap.add_argument("--out", default=str(REPO / "results" / "ttft_cache"))
+    args = ap.parse_args()
+    cpu = cpu_model()
+    print(f"CPU: {cpu}", flush=True)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="deepinfer-ttft-") as tmp:
+        for codec in args.codecs.split(","):
+            for n in map(int, args.sizes.split(",")):
+                for hit in map(float, args.hits.split(",")):
+                    rows.append(one_case(args.model, codec, n, hit, Path(tmp)))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.json").write_text(json.dumps({"cpu": cpu, "rows": rows}, indent=2))
+    md = markdown(rows, cpu)
+    (out / "summary.md").write_text(md)
+    print(md)
+
+
+if __name__ == "__main__":
+    main()

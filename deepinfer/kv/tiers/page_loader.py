@@ -1,0 +1,214 @@
+"""Loads: a ``LoadJob``'s pages from L2 slots and L3 files into the L1 pages reserved for it.
+
+One loader thread per job (``loaders`` of them) walks the job in chain order. L2 slots are
+decoded into their pages. L3 pages are spread over the reader threads (``readers``), each taking
+the next ``READ_CHUNK`` pages, so the pages the prefill needs first land first. A lossless page
+in host memory is read with one ``preadv`` straight into its L1 buffers and checked there
+(``DiskStore.read_into``): no intermediate copy. Other codecs, and CUDA, go through a staging
+buffer per reader (pinned on CUDA) whose pages are decoded together into their L1 pages (on a
+side stream on CUDA). The first page that cannot be read ends the load: the pages before it are
+in place, nothing after it counts (``job.num_loaded``), and the cache manager frees the rest.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from ..radix import DISK, HOST
+from .backend import LoadJob
+from .codecs import Codec
+from .disk_file import PageId
+from .disk_store import DiskStore
+from .page_bytes import KVTransfer, decode_pages
+
+log = logging.getLogger(__name__)
+
+
+class PageLoader:
+    """Runs ``LoadJob``s for ``TierIO`` (which owns the stores, the codecs and the writers)."""
+
+    READ_CHUNK = 8  # consecutive L3 pages one reader takes at a time (decoded together)
+
+    def __init__(self, transfer: KVTransfer, host_codec: Codec, disk_codec: Codec,
+                 host_page_nbytes: int, disk_page_nbytes: int, store: DiskStore | None,
+                 read_host: Callable[[list[int]], torch.Tensor],
+                 wait_written: Callable[[str], None], side: Any, *,
+                 loaders: int = 2, readers: int = 4) -> None:
+        self.transfer = transfer
+        self.shapes, self.dtype, self.device = transfer.shapes, transfer.dtype, transfer.device
+        self.cuda = self.device.type == "cuda"
+        self.host_codec, self.disk_codec = host_codec, disk_codec
+        self.host_page_nbytes, self.disk_page_nbytes = host_page_nbytes, disk_page_nbytes
+        self.store = store
+        self.read_host = read_host  # L2 slots -> rows, after their pending writes
+        self.wait_written = wait_written  # returns once an L3 key's pending write has landed
+        self._side = side  # CUDA side stream (None on CPU)
+        self.num_readers = readers
+        # lossless pages in host memory are read straight into their L1 buffers
+        self.direct_reads = disk_codec.name == "lossless" and transfer.page_views(0) is not None
+        self._staging: dict[int, torch.Tensor] = {}  # reader thread -> READ_CHUNK encoded pages
+        self._jobs = ThreadPoolExecutor(loaders, thread_name_prefix="deepinfer-kv-loader")
+        self._readers = ThreadPoolExecutor(readers, thread_name_prefix="deepinfer-l3-reader")
+        self._cv = threading.Condition()
+        self._running = 0
+        self.counters = dict.fromkeys(["disk_pages_read", "disk_bytes_read", "load_errors"], 0)
+
+    def start(self, job: LoadJob) -> None:
+        ready = None
+        if self.cuda:  # the dest pages may still be in use by queued kernels of their last owner
+            ready = torch.cuda.Event()
+            ready.record()
+        with self._cv:
+            self._running += 1
+        self._jobs.submit(self._run, job, ready)
+
+    def _run(self, job: LoadJob, ready: Any) -> None:
+        """Fill ``job.dest`` in chain order: L2 runs on this thread, L3 runs spread over the
+        reader threads; ``num_loaded`` is the leading run of pages in place."""
+        pages = (list(job.sources) + [(DISK, k) for k in job.probe])[: len(job.dest)]
+        # the page each file must hold (None: unchecked, e.g. an L2 slot)
+        ids = ((job.source_ids or [None] * len(job.sources))
+               + (job.probe_ids or [None] * len(job.probe)))[: len(job.dest)]
+        tiers: list[int] = []
+        try:
+            if self.cuda:
+                self._side.wait_event(ready)
+            i = 0
+            while i < len(pages) and not job.cancelled:
+                tier, j = pages[i][0], i
+                while j < len(pages) and pages[j][0] == tier:
+                    j += 1
+                t0 = time.perf_counter()
+                srcs, dest = [s for _, s in pages[i:j]], job.dest[i:j]
+                n = (self._load_host(srcs, dest) if tier == HOST
+                     else self._load_disk(srcs, ids[i:j], dest, job))
+                job.seconds_by_tier[tier] += time.perf_counter() - t0
+                job.bytes_by_tier[tier] += n * (self.host_page_nbytes if tier == HOST
+                                                else self.disk_page_nbytes)
+                tiers += [tier] * n
+                if n < j - i:
+                    if i + n < len(job.sources):
+                        job.failed_at = i + n
+                    break
+                i = j
+        except Exception:  # noqa: BLE001 - a failed load is a miss, never an error
+            log.exception("KV load failed")
+            with self._cv:
+                self.counters["load_errors"] += 1
+            tiers = []
+            if job.failed_at is None and job.sources:
+                job.failed_at = 0
+        finally:
+            if self.cuda:  # the main thread reads (or frees) the pages on its own stream
+                self._side.synchronize()
+        job.page_tiers = tiers
+        job.num_loaded = len(tiers)
+        job.seconds = time.perf_counter() - job.t_start
+        with self._cv:
+            self.counters["disk_pages_read"] += tiers.count(DISK)
+            self.counters["disk_bytes_read"] += job.bytes_by_tier[DISK]
+            job.done = True
+            self._running -= 1
+            self._cv.notify_all()
+
+    def _load_host(self, slots: list[int], dest: list[int]) -> int:
+        rows = self.read_host(slots)
+        with torch.cuda.stream(self._side) if self.cuda else contextlib.nullcontext():
+            rows = rows.to(self.device)  # synchronous: ``rows`` is freed on return
+            self.transfer.write_pages(dest, decode_pages(self.host_codec, rows, self.shapes, self.dtype))
+        return len(slots)
+
+    def _load_disk(self, keys: list[str], ids: list[PageId | None], dest: list[int],
+                   job: LoadJob) -> int:
+        """Read L3 pages into ``dest`` on up to ``num_readers`` reader threads, each taking the
+        next ``READ_CHUNK`` pages in chain order; the first miss stops the pages after it.
+        -> leading pages in place."""
+        done: dict[int, tuple[int, int]] = {}  # chunk start -> (pages in place, chunk length)
+        nxt, stop = [0], [len(keys)]
+        lock = threading.Lock()
+
+        def reader() -> None:
+            while True:
+                with lock:
+                    i = nxt[0]
+                    if i >= stop[0] or job.cancelled:
+                        return
+                    nxt[0] = j = min(i + self.READ_CHUNK, stop[0])
+                ok = self._read_pages(keys[i:j], ids[i:j], dest[i:j])
+                done[i] = (ok, j - i)
+                if ok < j - i:
+                    with lock:
+                        stop[0] = min(stop[0], i + ok)
+
+        for f in [self._readers.submit(reader) for _ in range(min(self.num_readers, len(keys)))]:
+            f.result()
+        n = 0
+        while n in done:
+            ok, length = done[n]
+            n += ok
+            if ok < length:
+                break
+        return n
+
+    def _read_pages(self, keys: list[str], ids: list[PageId | None], dest: list[int]) -> int:
+        """Consecutive L3 pages into L1 pages ``dest``: each straight into its buffers when
+        lossless in host memory, else into this thread's staging rows, decoded together.
+        -> leading pages in place (a failure stops the chunk)."""
+        assert self.store is not None
+        n = 0
+        try:
+            if self.direct_reads:
+                for key, pid, page in zip(keys, ids, dest):
+                    self.wait_written(key)
+                    if not self.store.read_into(key, self.transfer.page_views(page), pid):
+                        break
+                    n += 1
+                return n
+            rows = self._staging_rows()
+            for key, pid in zip(keys, ids):
+                self.wait_written(key)
+                if not self.store.read_into(key, [memoryview(rows[n].numpy())], pid):
+                    break
+                n += 1
+            if n:
+                with torch.cuda.stream(self._side) if self.cuda else contextlib.nullcontext():
+                    dev = rows[:n].to(self.device)  # synchronous: the staging rows are reused
+                    self.transfer.write_pages(dest[:n], decode_pages(self.disk_codec, dev,
+                                                                     self.shapes, self.dtype))
+        except Exception:  # noqa: BLE001 - a page that cannot be applied is a miss
+            log.exception("L3 pages %s... could not be loaded", keys[0])
+            with self._cv:
+                self.counters["load_errors"] += 1
+        return n
+
+    def _staging_rows(self) -> torch.Tensor:
+        """This reader thread's ``READ_CHUNK`` page rows (pinned on CUDA), made once."""
+        tid = threading.get_ident()
+        if tid not in self._staging:
+            self._staging[tid] = torch.empty(self.READ_CHUNK, self.disk_page_nbytes,
+                                             dtype=torch.uint8, pin_memory=self.cuda)
+        return self._staging[tid]
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until some load finishes (or ``timeout``); False if none was running."""
+        with self._cv:
+            if self._running == 0:
+                return False
+            self._cv.wait(timeout)
+            return True
+
+    def stats(self) -> dict[str, int]:
+        with self._cv:
+            return dict(self.counters)
+
+    def close(self, wait: bool) -> None:
+        for ex in (self._jobs, self._readers):
+            ex.shutdown(wait=wait, cancel_futures=not wait)
