@@ -102,11 +102,18 @@ class EngineConfig:
         return str(default_disk_dir())
 
     def torch_device(self) -> torch.device:
+        """auto: $DEEPINFER_DEVICE when set (the test suite pins its device this way), else
+        cuda if available, else cpu."""
         if self.device == "auto":
+            if os.environ.get("DEEPINFER_DEVICE"):
+                return torch.device(os.environ["DEEPINFER_DEVICE"])
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
 
     def torch_dtype(self) -> torch.dtype:
+        """auto: $DEEPINFER_DTYPE when set, else per device."""
+        if self.dtype == "auto" and os.environ.get("DEEPINFER_DTYPE"):
+            return _DTYPES[os.environ["DEEPINFER_DTYPE"]]
         if self.dtype == "auto":
             from .hardware import auto_dtype
 

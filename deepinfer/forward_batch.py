@@ -2,7 +2,9 @@
 
 New tokens of all sequences are flattened into one dimension: first one token for each
 decoding sequence, then each prefill chunk in turn. Every layer reads the same batch, so
-masks are built once per step (per window size) and reused by all layers.
+masks and the decode gather index are built once per step (per window size, per head count)
+and reused by all layers; gathered decode K/V land in a ``Workspace`` that outlives the step,
+so no layer allocates them anew.
 
 Models with sliding-window rings (``kv/window/``) get a second batch, ``window_view``: the same
 tokens with ring slots and ring page tables, whose gathered keys start at ``kv_start`` (a
@@ -11,9 +13,28 @@ position, not 0) and are valid only from ``kv_lo``; ``for_layer(i)`` hands each 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
+
+
+class Workspace:
+    """Grow-only scratch buffers owned by the runner: every layer of every step gathers its
+    decode K/V into the same memory (a fresh multi-megabyte tensor per layer costs page faults
+    on the CPU and allocator traffic on CUDA)."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        """A contiguous ``shape`` tensor of ``like``'s dtype and device, contents undefined."""
+        n = math.prod(shape)
+        buf = self._buffers.get(name)
+        if buf is None or buf.numel() < n or buf.dtype != like.dtype or buf.device != like.device:
+            buf = torch.empty(n, dtype=like.dtype, device=like.device)
+            self._buffers[name] = buf
+        return buf[:n].view(shape)
 
 
 @dataclass
@@ -41,7 +62,9 @@ class ForwardBatch:
     decode_kv_lo: torch.Tensor | None = None  # [B] keys below are masked
     window_view: ForwardBatch | None = None  # what the window-group layers read (ring pages)
     window_layers: frozenset[int] = frozenset()
+    workspace: Workspace = field(default_factory=Workspace, repr=False)
     _masks: dict = field(default_factory=dict, repr=False)
+    _rows: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
 
     def for_layer(self, i: int) -> ForwardBatch:
         """The batch layer ``i`` reads: the ring view for window-group layers, else this one."""
@@ -52,6 +75,19 @@ class ForwardBatch:
     @property
     def num_tokens(self) -> int:
         return self.input_ids.numel()
+
+    def decode_rows(self, heads: int) -> torch.Tensor:
+        """[B * heads * L] rows of a cache viewed as ``[num_slots * heads, dim]``, ordered so that
+        gathering them yields ``[B, heads, L, dim]``: each decode's keys in position order, head
+        by head, the layout attention reads without another copy. Built once per head count."""
+        if heads not in self._rows:
+            assert self.decode_pages is not None
+            dev = self.decode_pages.device
+            slots = (self.decode_pages[:, :, None] * self.page_size
+                     + torch.arange(self.page_size, device=dev)).flatten(1)  # [B, L]
+            rows = slots[:, None, :] * heads + torch.arange(heads, device=dev)[None, :, None]
+            self._rows[heads] = rows.flatten()
+        return self._rows[heads]
 
     def decode_mask(self, window: int | None) -> torch.Tensor | None:
         """[B, 1, 1, L] boolean mask over gathered decode pages (None when nothing is masked)."""

@@ -12,7 +12,7 @@ import torch
 from tqdm import tqdm
 
 from .config import EngineConfig
-from .forward_batch import ForwardBatch, PrefillSegment
+from .forward_batch import ForwardBatch, PrefillSegment, Workspace
 from .kv.build import build_device_kv
 from .layers.logits_processors import apply_logit_bias, apply_penalties
 from .layers.rotary import RotaryEmbedding
@@ -45,6 +45,7 @@ class ModelRunner:
         self.window_layout = self.window.layout if self.window is not None else None
         self.kv_buffers = self.device_kv.layer_buffers(len(self.specs))
         self._generator = torch.Generator(device=self.device).manual_seed(config.seed)
+        self.workspace = Workspace()  # gathered decode K/V, shared by every layer and step
 
     def _build_model(self, ckpt: Checkpoint, max_model_len: int):
         # Quantized tensors are de-quantized on the device, straight into the model dtype; an
@@ -122,6 +123,7 @@ class ModelRunner:
             decode_kv_lens=None if decode_lens is None else decode_lens.to(dev),
             prefills=segments,
             logits_indices=torch.tensor(logit_idx, device=dev, dtype=torch.long),
+            workspace=self.workspace,
         )
         if self.window is not None:
             self.window.attach(batch, decodes, prefills, self.device_kv.window_chunk_tokens)

@@ -1,3 +1,5 @@
+import os
+
 import pytest
 import torch
 
@@ -12,6 +14,21 @@ def deepinfer_cache_dir(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("DEEPINFER_CACHE_DIR", str(path))
         yield path
+
+
+TEST_DEVICE = os.environ.get("DEEPINFER_TEST_DEVICE", "cpu")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def test_device():
+    """Every engine left on device/dtype "auto" runs on $DEEPINFER_TEST_DEVICE (default cpu, even
+    where CUDA exists) in float32, the dtype the comparisons with transformers are exact in."""
+    if TEST_DEVICE.startswith("cuda") and not torch.cuda.is_available():
+        pytest.exit(f"DEEPINFER_TEST_DEVICE={TEST_DEVICE} but torch sees no CUDA device", returncode=2)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DEEPINFER_DEVICE", TEST_DEVICE)
+        mp.setenv("DEEPINFER_DTYPE", "float32")
+        yield TEST_DEVICE
 
 
 @pytest.fixture(scope="session")

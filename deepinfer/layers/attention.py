@@ -2,8 +2,12 @@
 
 Caches are per-layer tensors ``[num_pages, page_size, kv_heads, dim]``. A step first writes
 the new tokens' K/V into their slots, then each query attends over the pages of its own
-sequence: decodes are batched (pages gathered, padded, masked), each prefill chunk runs on
-its own so its causal mask can start mid-sequence. Plain torch ops: runs on CPU and CUDA.
+sequence. Decodes are batched: one ``index_select`` per cache, with row indices the batch
+builds once per step for all layers, copies every decode's keys straight into the
+``[B, kv_heads, L, dim]`` layout attention reads (padded, masked), in a workspace reused by
+every layer; on the SDPA path the query heads sharing a KV head are folded into the
+query-length dimension, so grouped-query attention needs no repeated K/V. Each prefill chunk
+runs on its own so its causal mask can start mid-sequence. Plain torch ops: runs on CPU and CUDA.
 """
 
 from __future__ import annotations
@@ -20,20 +24,50 @@ def store_kv(cache: torch.Tensor, x: torch.Tensor, slot_mapping: torch.Tensor) -
 
 
 def gather_pages(cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
-    """Pages [..., P] -> contiguous tokens [..., P * page_size, heads, dim]."""
-    g = cache[pages]
-    return g.reshape(*pages.shape[:-1], -1, *cache.shape[2:])
+    """Pages [P] -> contiguous tokens [P * page_size, heads, dim] (``index_select`` copies whole
+    pages; advanced indexing would copy element by element)."""
+    return cache.index_select(0, pages).flatten(0, 1)
+
+
+def _v_in_k(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """V is a leading slice of K's own storage (MLA: values are the latent part of the cached
+    ``[latent, k_pe]``): gather once and slice."""
+    return (v_cache.data_ptr() == k_cache.data_ptr() and v_cache.shape[:-1] == k_cache.shape[:-1]
+            and v_cache.stride()[:-1] == k_cache.stride()[:-1])
 
 
 def _gather_kv(k_cache: torch.Tensor, v_cache: torch.Tensor,
                pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Gather K and V pages; when V is a leading slice of K's own storage (MLA: values are the
-    latent part of the cached ``[latent, k_pe]``), gather once and slice."""
     k = gather_pages(k_cache, pages)
-    if (v_cache.data_ptr() == k_cache.data_ptr() and v_cache.shape[:-1] == k_cache.shape[:-1]
-            and v_cache.stride()[:-1] == k_cache.stride()[:-1]):
+    if _v_in_k(k_cache, v_cache):
         return k, k[..., : v_cache.shape[-1]]
     return k, gather_pages(v_cache, pages)
+
+
+def _gather_decode(cache: torch.Tensor, batch: ForwardBatch, name: str) -> torch.Tensor:
+    """Every decode's keys (or values) of ``cache`` as ``[B, kv_heads, L, dim]``, in the workspace."""
+    heads, dim = cache.shape[2], cache.shape[3]
+    rows = batch.decode_rows(heads)
+    B = batch.num_decodes
+    out = batch.workspace.get(name, (rows.numel(), dim), cache)
+    torch.index_select(cache.view(-1, dim), 0, rows, out=out)
+    return out.view(B, heads, -1, dim)
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     batch: ForwardBatch, scale: float, window: int | None = None,
+                     softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """q [B, Hq, D] of the batch's decodes -> [B, Hq, Dv], over their gathered pages."""
+    B, Hq, D = q.shape
+    Hkv = k_cache.shape[2]
+    k = _gather_decode(k_cache, batch, "k")
+    v = k[..., : v_cache.shape[-1]] if _v_in_k(k_cache, v_cache) else _gather_decode(v_cache, batch, "v")
+    mask = batch.decode_mask(window)
+    if softcap is not None or sinks is not None:  # the explicit path (repeats K/V per head group)
+        return attend(q.unsqueeze(2), k, v, mask, scale, softcap=softcap, sinks=sinks).squeeze(2)
+    # Query heads of one KV head (head h serves q heads h*G .. h*G+G-1) act as G query rows.
+    o = attend(q.view(B, Hkv, Hq // Hkv, D), k, v, mask, scale)
+    return o.reshape(B, Hq, -1)
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
@@ -69,11 +103,7 @@ def paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
     out = q.new_empty(q.shape[0], q.shape[1], v_cache.shape[-1])
     nd = batch.num_decodes
     if nd:
-        k, v = _gather_kv(k_cache, v_cache, batch.decode_pages)
-        k, v = k.transpose(1, 2), v.transpose(1, 2)
-        o = attend(q[:nd].unsqueeze(2), k, v, batch.decode_mask(window), scale,
-                   softcap=softcap, sinks=sinks)
-        out[:nd] = o.squeeze(2)
+        out[:nd] = decode_attention(q[:nd], k_cache, v_cache, batch, scale, window, softcap, sinks)
     for i, seg in enumerate(batch.prefills):
         sl = slice(seg.q_start, seg.q_start + seg.q_len)
         if seg.kv_len == seg.q_len:  # nothing cached before this chunk: use K/V as computed

@@ -18,14 +18,14 @@ from deepinfer.sampling_params import SamplingParams
 
 def make_runner(hf_model, page_size: int = 4, num_pages: int = 128, max_len: int = 256,
                 state_dict: dict | None = None, ckpt=None) -> ModelRunner:
-    """A float32 CPU runner over ``ckpt``, by default the HF model's (or the given) state dict."""
+    """A float32 runner (on the test device) over ``ckpt``, by default the HF model's (or the given) state dict."""
     if ckpt is None:
         sd = state_dict if state_dict is not None else hf_model.state_dict()
         ckpt = types.SimpleNamespace(config=hf_model.config, weights=lambda: iter(sd.items()),
                                      name=type(hf_model).__name__, fingerprint="test")
     # window_chunk_tokens: these tests prefill in chunks of any size (the engine caps them)
     return ModelRunner(EngineConfig(page_size=page_size, num_pages=num_pages, dtype="float32",
-                                    device="cpu", progress=False, window_chunk_tokens=max_len),
+                                    progress=False, window_chunk_tokens=max_len),
                        ckpt, max_len)
 
 
@@ -44,7 +44,7 @@ def prefill(runner: ModelRunner, req: Request, chunk_sizes: list[int] | None) ->
     assert sum(chunks) == n, (chunks, n)
     out = []
     for c in chunks:
-        out.append(runner.prompt_logits([(req, c)]))
+        out.append(runner.prompt_logits([(req, c)]).cpu())
         req.num_computed_tokens += c
     return torch.cat(out)
 
@@ -63,7 +63,7 @@ def decode_steps(runner: ModelRunner, reqs: list[Request], last_logits: list[tor
     for _ in range(steps):
         for r, lg in zip(reqs, cur):
             r.output_token_ids.append(int(lg.argmax()))
-        logits = runner.prompt_logits([(r, 1) for r in reqs])
+        logits = runner.prompt_logits([(r, 1) for r in reqs]).cpu()
         for i, r in enumerate(reqs):
             r.num_computed_tokens += 1
             out[i].append(logits[i])

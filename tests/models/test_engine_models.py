@@ -29,7 +29,7 @@ MAKERS = {
 def test_generate_matches_transformers(arch, tmp_path):
     path = make_checkpoint(tmp_path, MAKERS[arch]().config)
     hf = AutoModelForCausalLM.from_pretrained(path).eval()
-    llm = LLM(model=str(path), dtype="float32", device="cpu", page_size=4, num_pages=64,
+    llm = LLM(model=str(path), dtype="float32", page_size=4, num_pages=64,
               progress=False)
     prompts = [list(range(5, 30)), list(range(40, 51))]  # both longer than the 8-token windows
     outs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0.0))

@@ -109,7 +109,7 @@ class WindowPool:
             num_decodes=batch.num_decodes,
             decode_pages=torch.tensor(dec_pages, device=dev) if decodes else None,
             decode_kv_lens=batch.decode_kv_lens, prefills=segments,
-            logits_indices=batch.logits_indices,
+            logits_indices=batch.logits_indices, workspace=batch.workspace,
             decode_kv_start=torch.tensor(dec_start, device=dev) if decodes else None,
             decode_kv_lo=torch.tensor(dec_lo, device=dev) if decodes else None)
 
