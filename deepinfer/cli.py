@@ -10,6 +10,7 @@ import time
 from .config import EngineConfig
 from .errors import RequestError
 from .sampling_params import SamplingParams
+from .spec.config import SpeculativeConfig
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -36,6 +37,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefix-cache", action="store_true")
     add_window_args(p)
     add_tier_args(p)
+    add_speculative_args(p)
 
 
 def add_window_args(p: argparse.ArgumentParser) -> None:
@@ -87,6 +89,32 @@ def add_secret_arg(p) -> None:
                         "$DEEPINFER_KV_STORE_SECRET, else a plain CRC-32)")
 
 
+def add_speculative_args(p: argparse.ArgumentParser) -> None:
+    from .spec.config import METHODS
+
+    d = SpeculativeConfig()
+    s = p.add_argument_group("speculative decoding (off unless --speculative-method is given)")
+    s.add_argument("--speculative-method", default=None, choices=METHODS,
+                   help="ngram: prompt lookup in the request; suffix: continuations seen in "
+                        "other requests and earlier turns")
+    s.add_argument("--speculative-num-tokens", type=int, default=d.num_tokens,
+                   help="k: draft tokens per request per step (fixed-k verifies all of them)")
+    s.add_argument("--speculative-scheduled", action="store_true",
+                   help="verify what Algorithm 1 picks from calibrated confidences and the "
+                        "SPS(B) profile measured at start-up, instead of a fixed k")
+    s.add_argument("--speculative-ngram-min", type=int, default=d.ngram_min)
+    s.add_argument("--speculative-ngram-max", type=int, default=d.ngram_max)
+
+
+def speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
+    if args.speculative_method is None:
+        return None
+    return SpeculativeConfig(method=args.speculative_method, num_tokens=args.speculative_num_tokens,
+                             scheduled=args.speculative_scheduled,
+                             ngram_min=args.speculative_ngram_min,
+                             ngram_max=args.speculative_ngram_max)
+
+
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
         model=args.model, dtype=args.dtype, device=args.device, threads=args.threads,
@@ -103,7 +131,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         disk_cache_dir=args.disk_cache_dir, disk_cache_gb=args.disk_cache_gb,
         kv_codec_host=args.kv_codec_host, kv_codec_disk=args.kv_codec_disk,
         kv_store_secret=args.kv_store_secret or None,
-        cache_policy=args.cache_policy, selective_hits=args.selective_hits)
+        cache_policy=args.cache_policy, selective_hits=args.selective_hits,
+        speculative_config=speculative_config(args))
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -148,7 +177,16 @@ def _cache_line(out) -> str:
                        for t, sec in out.load_seconds_by_tier.items() if out.load_bytes_by_tier[t])
         loaded = f"; loaded {by}: {out.load_seconds:.3f}s wait, {out.load_gb_per_s:.2f} GB/s"
     return (f"prompt {out.num_prompt_tokens} tokens: {out.num_cached_tokens} cached{tiers}, "
-            f"{replayed}{out.num_computed_tokens} computed; {len(out.token_ids)} generated{loaded}")
+            f"{replayed}{out.num_computed_tokens} computed; {len(out.token_ids)} generated{loaded}"
+            f"{_spec_part(out)}")
+
+
+def _spec_part(out) -> str:
+    if not out.num_drafted_tokens:
+        return ""
+    mean = out.num_accepted_tokens / out.num_verify_steps if out.num_verify_steps else 0.0
+    return (f"; speculative: {out.num_drafted_tokens} drafted, {out.num_verified_tokens} verified, "
+            f"{out.num_accepted_tokens} accepted ({mean:.2f} per verify step)")
 
 
 def cmd_chat(args: argparse.Namespace) -> int:

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import torch
 
+from .spec.config import SpeculativeConfig
+
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16,
            "fp16": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
@@ -50,6 +52,7 @@ class EngineConfig:
     kv_store_secret: str | None = field(default=None, repr=False)
     cache_policy: str = "write_through"  # write_through | write_back | selective
     selective_hits: int = 2  # selective: lookups a prefix needs before it is written to L3
+    speculative_config: SpeculativeConfig | None = None  # None: no speculative decoding
     seed: int = 0
     progress: bool = True
 

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .config import EngineConfig
+from .config import EngineConfig, SpeculativeConfig
 from .errors import RequestError
 from .hardware import describe_device
 from .kv.build import build_cache_manager, build_tiers
@@ -38,6 +38,9 @@ from .model_runner import ModelRunner
 from .request import Request, SampleGroup
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
+from .spec.decoder import SpeculativeDecoder
+from .spec.profile import profile_sps
+from .spec.verify_schedule import SpsProfile
 from .threads import apply_thread_policy
 
 if TYPE_CHECKING:
@@ -75,6 +78,11 @@ class RequestOutput:
     load_seconds_by_tier: dict[str, float] = field(default_factory=dict)
     load_bytes_by_tier: dict[str, int] = field(default_factory=dict)
     load_gb_per_s: float = 0.0
+    # speculative decoding (spec/): draft tokens proposed, verified, accepted; verify steps
+    num_drafted_tokens: int = 0
+    num_verified_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_verify_steps: int = 0
 
 
 class LLMEngine:
@@ -113,6 +121,18 @@ class LLMEngine:
         self.failed_requests = 0  # requests ended by an exception in their own work
         self._errors = RateLimitedLog(log)
         self._grammars: GrammarCompiler | None = None  # built on the first constrained request
+        self.spec = self._build_speculative(config.speculative_config)
+
+    def _build_speculative(self, sc: SpeculativeConfig | None) -> SpeculativeDecoder | None:
+        if sc is None:
+            return None
+        span = min(self.scheduler.max_chunk, self.config.max_num_batched_tokens)
+        sps = None
+        if sc.scheduled:
+            sps = (SpsProfile(list(sc.sps_tokens), list(sc.sps_steps_per_s or ()))
+                   if sc.sps_tokens is not None else
+                   profile_sps(self.runner, self.kv, min(span, 64), self.hf_config.vocab_size))
+        return SpeculativeDecoder(sc, self.runner, self.kv, span, self.max_model_len, sps)
 
     def shutdown(self, timeout: float | None = 60.0) -> bool:
         """Graceful stop: wait for queued L2/L3 writes to land, stop the tier threads.
@@ -216,7 +236,9 @@ class LLMEngine:
         self.kv.poll()
         batch = self.scheduler.schedule()
         out: list[Request] = []
-        if batch.items:
+        if batch.items and self.spec is not None:
+            out += self._step_speculative(batch.items, batch.num_tokens)
+        elif batch.items:
             for items, sampled, logits in self._forward(batch.items):
                 out += self._advance(items, sampled, logits)
         elif self.scheduler.waiting and self.kv.loads_in_flight():
@@ -242,6 +264,36 @@ class LLMEngine:
             except Exception as e:  # noqa: BLE001
                 self.scheduler.fail(item[0], e)
         return parts
+
+    def _step_speculative(self, items: list[tuple[Request, int]], num_tokens: int) -> list[Request]:
+        """A step with verify spans (spec/); if it raises, the batch runs plain (and isolated)."""
+        assert self.spec is not None
+        try:
+            spec = self.spec.forward(items, self.config.max_num_batched_tokens - num_tokens)
+        except Exception as e:  # noqa: BLE001
+            self._errors.error("batch", "a speculative step failed (%s: %s); running it plain",
+                               type(e).__name__, e)
+            return [r for part in self._forward(items) for r in self._advance(*part)]
+        out = self._advance(items, spec.sampled, spec.logits)
+        now = time.monotonic()
+        for req, tokens in spec.verified:  # one token at a time: stop conditions per token
+            for i, tok in enumerate(tokens):
+                if i:  # the token before was an accepted draft token: its KV is in the pages
+                    req.num_computed_tokens += 1
+                    self.kv.cache_pages(req)
+                req.output_token_ids.append(tok)
+                if req.first_token_time is None:
+                    req.first_token_time = now
+                self._check_stop(req)
+                if req.is_finished:
+                    req.finish_time = now
+                    self.requests.pop(req.request_id, None)
+                    break
+            out.append(req)
+        for req in out:
+            if req.is_finished:
+                self.spec.observe(req)  # shared draft sources learn finished sequences
+        return out
 
     def _advance(self, items: list[tuple[Request, int]], sampled: list[Request],
                  logits: torch.Tensor | None) -> list[Request]:
@@ -391,6 +443,10 @@ class LLMEngine:
             ttft=None if req.first_token_time is None else req.first_token_time - req.arrival_time,
             latency=None if req.finish_time is None else req.finish_time - req.arrival_time,
             num_replayed_tokens=req.num_replayed_tokens,
+            num_drafted_tokens=req.spec.drafted,
+            num_verified_tokens=req.spec.verified,
+            num_accepted_tokens=req.spec.accepted,
+            num_verify_steps=req.spec.steps,
             index=req.sample_index,
             cumulative_logprob=req.cumulative_logprob
             if p.logprobs is not None or p.num_samples > p.n else None,
@@ -433,6 +489,8 @@ class LLMEngine:
             "cache_hit_tokens_by_tier": dict(s.hit_tokens_by_tier),
         }
         out.update(self.kv.window_stats())  # sliding-window rings and snapshots (if any)
+        if self.spec is not None:
+            out.update(self.spec.stats())
         t = self.kv.tier_stats()
         if t:
             out.update(tier_fields(s, t))

@@ -9,6 +9,7 @@ from .chat import ChatSession, render_chat
 from .config import EngineConfig
 from .engine import LLMEngine, RequestOutput
 from .sampling_params import SamplingParams
+from .spec.config import SpeculativeConfig
 
 
 class LLM:
@@ -17,6 +18,8 @@ class LLM:
         unknown = set(engine_args) - known
         if unknown:
             raise TypeError(f"unknown engine arguments: {sorted(unknown)}")
+        if isinstance(engine_args.get("speculative_config"), dict):  # vLLM style: a plain dict
+            engine_args["speculative_config"] = SpeculativeConfig(**engine_args["speculative_config"])
         self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
         self.tokenizer = self.engine.tokenizer
 

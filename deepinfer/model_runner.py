@@ -139,6 +139,21 @@ class ModelRunner:
         return sampled, self.model.compute_logits(hidden[batch.logits_indices])
 
     @torch.inference_mode()
+    def forward_spans(self, items: list[tuple[Request, int]],
+                      spans: dict[Request, int]) -> tuple[list[Request], list[torch.Tensor]]:
+        """Like ``forward``, with the logits of the last ``spans[r]`` new tokens of each request
+        r there (one row for the others): speculative verify spans (``spec/``)."""
+        batch, sampled = self.prepare(items)
+        hidden = self.model(batch, self.kv_buffers)
+        if not sampled:
+            return sampled, []
+        sizes = [spans.get(r, 1) for r in sampled]
+        rows = torch.cat([torch.arange(i - n + 1, i + 1)  # a sequence's new tokens are contiguous
+                          for i, n in zip(batch.logits_indices.tolist(), sizes)])
+        logits = self.model.compute_logits(hidden[rows.to(self.device)])
+        return sampled, list(logits.split(sizes))
+
+    @torch.inference_mode()
     def sample(self, reqs: list[Request], logits: torch.Tensor
                ) -> tuple[list[Request], SampleResult | None, list[tuple[Request, Exception]]]:
         """One token per row. Returns the requests that got one, their samples, and the
@@ -147,7 +162,7 @@ class ModelRunner:
         gens: list[torch.Generator] = []  # state of every generator this step draws from
         for r in reqs:
             try:
-                g = self._request_generator(r)
+                g = self.request_generator(r)
             except Exception:  # noqa: BLE001 - a bad seed: its row fails again below, alone
                 continue
             if g is not None and all(g is not x for x in gens):
@@ -190,7 +205,7 @@ class ModelRunner:
             from .structured.grammar import apply_masks  # llguidance loads on first use
 
             apply_masks(logits, constrained, [reqs[i].grammar for i in constrained])
-        gens = [self._request_generator(r) for r in reqs]
+        gens = [self.request_generator(r) for r in reqs]
         return sample(logits, [r.params for r in reqs], gens)
 
     def copy_pages(self, pairs: list[tuple[int, int]]) -> None:
@@ -202,7 +217,7 @@ class ModelRunner:
         batch, _ = self.prepare(items)
         return self.model.compute_logits(self.model(batch, self.kv_buffers)).float()
 
-    def _request_generator(self, r: Request) -> torch.Generator | None:
+    def request_generator(self, r: Request) -> torch.Generator | None:
         if r.params.greedy:
             return None
         if r.params.seed is None:

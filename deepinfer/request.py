@@ -13,6 +13,7 @@ from .kv.radix import Node
 from .kv.tiers.backend import LoadJob, LoadStats
 from .kv.window.rings import RingState
 from .sampling_params import SamplingParams
+from .spec.counters import SpecCounters
 
 if TYPE_CHECKING:
     from .structured.grammar import GrammarState
@@ -62,6 +63,7 @@ class Request:
     cumulative_logprob: float = 0.0  # of the sampled tokens (best_of ranks samples by it)
     group: SampleGroup | None = None  # the n/best_of samples this sequence is one of
     sample_index: int = 0  # its place in ``group`` (0: the request that ran the prefill)
+    spec: SpecCounters = field(default_factory=SpecCounters)  # speculative decoding (spec/)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -42,7 +42,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if random_rows:
         rows = torch.tensor(random_rows, device=logits.device)
-        probs = _filtered_probs(logits[rows], [params[i] for i in random_rows])
+        probs = filtered_probs(logits[rows], [params[i] for i in random_rows])
         for j, i in enumerate(random_rows):
             tokens[i] = torch.multinomial(probs[j], 1, generator=generators[i])[0]
     token_list = tokens.tolist()
@@ -61,7 +61,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams],
     return SampleResult(token_list, chosen, top)
 
 
-def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     dev = logits.device
     temp = torch.tensor([p.temperature for p in params], device=dev)[:, None]
     logits = logits / temp

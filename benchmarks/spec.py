@@ -1,0 +1,138 @@
+"""Speculative decoding: off vs fixed k=3 vs fixed k=5 vs scheduled (Algorithm 1), one run.
+
+Workloads (one user at a time, greedy, chat template): ``code`` (rewrite a given Python file
+with one small change: the reply mostly copies the prompt), ``agent`` (answer from a tool output
+pasted in the prompt, quoting it) and ``chat`` (a plain question, little to copy). Every mode
+runs in its own engine, built up front, and the modes take turns on each prompt (interleaved),
+so a busy machine slows them alike. Reported per workload and mode: per-user decode tok/s
+(generated tokens after the first / time after the first token), total seconds, drafted,
+verified and accepted tokens, mean accepted per verify step, speed-up over off, and whether the
+greedy output equals off's token for token.
+
+    python benchmarks/spec.py [--model PATH] [--max-tokens 256] [--repeats 3] [--method ngram]
+
+Writes results/spec/summary.json and prints a markdown table with the CPU model name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+from pathlib import Path
+
+from deepinfer.llm import LLM
+from deepinfer.sampling_params import SamplingParams
+from deepinfer.spec.config import SpeculativeConfig
+
+CODE = '''import json
+from pathlib import Path
+
+
+def load_config(path):
+    with open(path) as f:
+        data = json.load(f)
+    if "name" not in data:
+        raise ValueError("config needs a name")
+    return data
+
+
+def save_config(path, data):
+    Path(path).write_text(json.dumps(data, indent=2))
+
+
+def merge_configs(base, override):
+    out = dict(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge_configs(out[key], value)
+        else:
+            out[key] = value
+    return out
+'''
+TOOL_OUTPUT = "\n".join(f"{name:<24}{size:>8} bytes  modified 2026-11-{day:02d}" for name, size, day in [
+    ("engine.py", 11840, 3), ("scheduler.py", 4210, 7), ("model_runner.py", 6020, 9),
+    ("README.md", 22100, 12), ("config.py", 4400, 14), ("cache_manager.py", 13200, 17),
+    ("radix.py", 12480, 18), ("setup.sh", 900, 21), ("server.py", 9800, 22)])
+WORKLOADS = {
+    "code": ["Rename the function load_config to read_config everywhere in this file and output "
+             "the whole updated file, nothing else.\n\n" + CODE,
+             "Add a docstring to save_config and output the whole file, nothing else.\n\n" + CODE],
+    "agent": ["The tool `ls -l src/` returned:\n" + TOOL_OUTPUT +
+              "\n\nList every .py file with its size and date, one per line, exactly as shown.",
+              "The tool `ls -l src/` returned:\n" + TOOL_OUTPUT +
+              "\n\nCopy the lines of the files modified after 2026-11-10, exactly as shown."],
+    "chat": ["Explain in a few paragraphs why the sky is blue.",
+             "Give me three tips for learning to play the guitar."],
+}
+
+
+def modes(method: str) -> dict[str, SpeculativeConfig | None]:
+    return {"off": None,
+            "k=3": SpeculativeConfig(method=method, num_tokens=3),
+            "k=5": SpeculativeConfig(method=method, num_tokens=5),
+            "scheduled": SpeculativeConfig(method=method, num_tokens=8, scheduled=True)}
+
+
+def cpu_model() -> str:
+    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    return next((line.split(":", 1)[1].strip() for line in out.splitlines()
+                 if line.startswith("Model name")), "unknown")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--method", default="ngram", choices=["ngram", "suffix"])
+    ap.add_argument("--workloads", default=",".join(WORKLOADS))
+    ap.add_argument("--out", default="results/spec")
+    args = ap.parse_args()
+    engine_args = dict(kv_cache_memory_gb=0.5, host_cache_gb=0, enable_disk_cache=False,
+                       enable_prefix_cache=False, progress=False)
+    llms = {m: LLM(args.model, speculative_config=sc, **engine_args)
+            for m, sc in modes(args.method).items()}
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
+    rows = []
+    for wl in args.workloads.split(","):
+        acc = {m: dict(decode_s=0.0, decoded=0, total_s=0.0, drafted=0, verified=0, accepted=0,
+                       steps=0, identical=True) for m in llms}
+        for _ in range(args.repeats):
+            for prompt in WORKLOADS[wl]:
+                ref = None
+                for m, llm in llms.items():  # modes interleaved on every prompt
+                    out = llm.chat([{"role": "user", "content": prompt}], params)[0]
+                    a = acc[m]
+                    a["decode_s"] += out.latency - out.ttft
+                    a["decoded"] += len(out.token_ids) - 1
+                    a["total_s"] += out.latency
+                    for k, v in (("drafted", out.num_drafted_tokens), ("verified", out.num_verified_tokens),
+                                 ("accepted", out.num_accepted_tokens), ("steps", out.num_verify_steps)):
+                        a[k] += v
+                    ref = out.token_ids if ref is None else ref
+                    a["identical"] &= out.token_ids == ref
+        base = acc["off"]["decoded"] / acc["off"]["decode_s"]
+        for m, a in acc.items():
+            tps = a["decoded"] / a["decode_s"]
+            rows.append(dict(workload=wl, mode=m, decode_tok_s=round(tps, 2),
+                             speedup=round(tps / base, 3), total_s=round(a["total_s"], 2),
+                             drafted=a["drafted"], verified=a["verified"], accepted=a["accepted"],
+                             acceptance=round(a["accepted"] / a["verified"], 3) if a["verified"] else 0.0,
+                             accepted_per_step=round(a["accepted"] / a["steps"], 2) if a["steps"] else 0.0,
+                             identical_to_off=a["identical"]))
+    cpu = cpu_model()
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "summary.json").write_text(json.dumps(dict(cpu=cpu, args=vars(args), rows=rows), indent=2))
+    print(f"CPU: {cpu}; method {args.method}, max_tokens {args.max_tokens}, repeats {args.repeats}")
+    cols = list(rows[0])
+    print("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
+    for r in rows:
+        print("| " + " | ".join(str(r[c]) for c in cols) + " |")
+    for llm in llms.values():
+        llm.engine.shutdown()
+
+
+if __name__ == "__main__":
+    main()

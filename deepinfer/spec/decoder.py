@@ -1,0 +1,132 @@
+"""SpeculativeDecoder: drafts, decides what to verify, runs the step, verifies.
+
+The engine hands it a scheduled batch. Decoding requests get a draft from the source; fixed-k
+verifies all of it, scheduled mode asks Algorithm 1 (``verify_schedule.py``) with calibrated
+survival probabilities. The drafts are appended to their requests' tokens only for the forward
+(the runner reads tokens from the request) and removed right after, so nothing else ever sees
+a draft token: the engine appends the accepted ones, and the KV cache manager caches pages
+only up to the accepted length (rejected tokens' KV sits beyond it and is overwritten later).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..kv.cache_manager import KVCacheManager
+from ..model_runner import ModelRunner
+from ..request import Request
+from .calibration import Calibrator
+from .config import SpeculativeConfig
+from .counters import SpecCounters
+from .drafters import Draft, make_drafter
+from .verify import verify
+from .verify_schedule import SpsProfile, plan_verify
+
+
+@dataclass
+class SpecStep:
+    """A step's results: requests that produce one token the usual way, with their logits rows
+    (for the engine's sampler), and verified requests with the tokens they emit (accepted draft
+    tokens, then the target's token)."""
+
+    sampled: list[Request]
+    logits: torch.Tensor | None
+    verified: list[tuple[Request, list[int]]]
+
+
+class SpeculativeDecoder:
+    def __init__(self, config: SpeculativeConfig, runner: ModelRunner, kv: KVCacheManager,
+                 max_span: int, max_model_len: int, sps: SpsProfile | None) -> None:
+        self.config = config
+        self.runner = runner
+        self.kv = kv
+        self.k = min(config.num_tokens, max_span - 1)  # a verify span fits one prefill chunk
+        self.max_model_len = max_model_len
+        self.drafter = make_drafter(config.method, config.ngram_min, config.ngram_max)
+        self.calibrator = Calibrator(config.calibration_window)
+        self.sps = sps
+        self.totals = SpecCounters()
+
+    # ------------------------------------------------------------------ drafting
+    def _room(self, req: Request) -> int:
+        """Draft tokens ``req`` may verify now: each step emits them plus one more token.
+        Requests whose sampling reads more than the logits (logprobs, bias, penalties, a
+        grammar) are not speculated."""
+        p = req.params
+        if p.logprobs is not None or p.logit_bias or p.penalized or req.grammar is not None:
+            return 0
+        return max(0, min(self.k, p.max_tokens - len(req.output_token_ids) - 1,
+                          self.max_model_len - req.num_tokens - 1))
+
+    def _drafts(self, items: list[tuple[Request, int]], budget: int) -> dict[Request, Draft]:
+        drafts: dict[Request, Draft] = {}
+        for req, n in items:
+            room = self._room(req)
+            if n == 1 and req.num_computed_tokens == req.num_tokens - 1 and room > 0:
+                d = self.drafter.propose(req.all_token_ids, room)
+                req.spec.drafted += len(d.tokens)
+                self.totals.drafted += len(d.tokens)
+                if d.tokens:
+                    drafts[req] = d
+        reqs = list(drafts)
+        if self.sps is None or not self.config.scheduled:
+            counts = [len(drafts[r].tokens) for r in reqs]
+        else:
+            survival = [self.calibrator.survival(drafts[r].source, drafts[r].features) for r in reqs]
+            base = sum(n for _, n in items) - len(reqs)
+            counts = plan_verify(survival, self.sps, base)
+        chosen: dict[Request, Draft] = {}
+        for req, c in zip(reqs, counts):
+            c = min(c, budget)
+            if c > 0 and self.kv.allocate(req, 1 + c):
+                d = drafts[req]
+                chosen[req] = Draft(d.source, d.tokens[:c], d.features[:c])
+                budget -= c
+        return chosen
+
+    # ------------------------------------------------------------------ step
+    def forward(self, items: list[tuple[Request, int]], budget: int) -> SpecStep:
+        """Run the scheduled batch with verify spans; ``budget``: tokens the step may add."""
+        drafts = self._drafts(items, budget)
+        run = [(r, n + len(drafts[r].tokens)) if r in drafts else (r, n) for r, n in items]
+        for r, d in drafts.items():
+            r.output_token_ids += d.tokens
+        try:
+            sampled, logits = self.runner.forward_spans(
+                run, {r: len(d.tokens) + 1 for r, d in drafts.items()})
+        finally:
+            for r, d in drafts.items():
+                del r.output_token_ids[-len(d.tokens):]
+        plain = [(r, rows) for r, rows in zip(sampled, logits) if r not in drafts]
+        verified: list[tuple[Request, list[int]]] = []
+        for r, rows in zip(sampled, logits):
+            d = drafts.get(r)
+            if d is None:
+                continue
+            tokens = verify(rows, d.tokens, r.params, self.runner.request_generator(r))
+            accepted = len(tokens) - 1
+            self.calibrator.update(d.source, d.features, accepted)
+            for c in (r.spec, self.totals):
+                c.verified += len(d.tokens)
+                c.accepted += accepted
+                c.steps += 1
+            verified.append((r, tokens))
+        return SpecStep([r for r, _ in plain],
+                        torch.cat([rows for _, rows in plain]) if plain else None, verified)
+
+    def observe(self, req: Request) -> None:
+        """A request finished: shared draft sources learn its tokens."""
+        self.drafter.observe(req.all_token_ids)
+
+    def stats(self) -> dict[str, dict[str, float]]:
+        t, src = self.totals, self.config.method
+        return {
+            "spec_drafted_tokens_total": {src: t.drafted},
+            "spec_verified_tokens_total": {src: t.verified},
+            "spec_accepted_tokens_total": {src: t.accepted},
+            "spec_verify_steps_total": {src: t.steps},
+            "spec_mean_accepted_tokens": {src: t.mean_accepted},
+            "spec_calibration_ece": {src: self.calibrator.ece()},
+        }

@@ -1,0 +1,52 @@
+"""Exact verification of a draft against the target model's logits at every span position.
+
+Row i of ``logits`` predicts the token after the span's i-th token (the request's last token,
+then the draft). Greedy accepts the draft while it equals the argmax, then emits the argmax
+(the bonus token): the same tokens plain greedy decoding produces. With temperature > 0 a
+weight-free draft is a point mass (q = 1 on its token), so token x is kept with probability
+p(x), and on a rejection the replacement is drawn from p with x removed (the normalised
+residual max(p - q, 0)): every emitted token is distributed exactly as the target's.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..layers.sampler import filtered_probs
+from ..sampling_params import SamplingParams
+
+
+def verify_greedy(logits: torch.Tensor, draft: list[int]) -> list[int]:
+    target = logits.argmax(dim=-1).tolist()
+    out: list[int] = []
+    for d, t in zip(draft, target):
+        if d != t:
+            break
+        out.append(d)
+    out.append(target[len(out)])
+    return out
+
+
+def verify_sampled(logits: torch.Tensor, draft: list[int], params: SamplingParams,
+                   generator: torch.Generator | None) -> list[int]:
+    probs = filtered_probs(logits.float(), [params] * logits.shape[0])
+    out: list[int] = []
+    for i, d in enumerate(draft):
+        u = torch.rand((), device=probs.device, generator=generator)
+        if u < probs[i, d]:
+            out.append(d)
+            continue
+        residual = probs[i].clone()
+        residual[d] = 0.0
+        out.append(int(torch.multinomial(residual / residual.sum(), 1, generator=generator)[0]))
+        return out
+    out.append(int(torch.multinomial(probs[len(draft)], 1, generator=generator)[0]))
+    return out
+
+
+def verify(logits: torch.Tensor, draft: list[int], params: SamplingParams,
+           generator: torch.Generator | None) -> list[int]:
+    """Tokens to emit: the accepted draft prefix plus one token from the target."""
+    if params.greedy:
+        return verify_greedy(logits, draft)
+    return verify_sampled(logits, draft, params, generator)

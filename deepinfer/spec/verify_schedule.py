@@ -1,0 +1,61 @@
+"""How many draft tokens of each request to verify in a step: DSpark's Algorithm 1
+(hardware-aware prefix scheduler) over an SPS(B) profile.
+
+SPS(B) is verify steps per second when the batch holds B tokens; the expected accepted tokens
+per step are tau = R + sum of a_{r,j} over the verified pairs (every request emits at least
+one token), so throughput is Theta = tau * SPS(B). Pairs are taken in descending a_{r,j} and
+the first one that does not raise Theta stops the search.
+"""
+
+from __future__ import annotations
+
+import itertools
+from bisect import bisect_left
+from collections.abc import Callable
+
+
+class SpsProfile:
+    """SPS(B) from measured points: step time is interpolated linearly between them and
+    extrapolated from the last two beyond the largest. Times are made non-decreasing in B (a
+    running maximum), since more tokens never cost less: a noisy point cannot invert the curve."""
+
+    def __init__(self, tokens: list[int], steps_per_s: list[float]) -> None:
+        if not tokens or len(tokens) != len(steps_per_s) or sorted(tokens) != list(tokens):
+            raise ValueError("SPS profile needs ascending token counts, one rate each")
+        if any(s <= 0 for s in steps_per_s):
+            raise ValueError("SPS rates must be positive")
+        self.tokens = list(tokens)
+        self.seconds = list(itertools.accumulate((1.0 / s for s in steps_per_s), max))
+
+    def __call__(self, b: int) -> float:
+        t, s = self.tokens, self.seconds
+        if len(t) == 1 or b <= t[0]:
+            return 1.0 / s[0]
+        i = min(max(bisect_left(t, b), 1), len(t) - 1)
+        sec = s[i - 1] + (s[i] - s[i - 1]) * (b - t[i - 1]) / (t[i] - t[i - 1])
+        return 1.0 / sec
+
+
+def plan_verify(survival: list[list[float]], sps: Callable[[int], float],
+                base_tokens: int = 0) -> list[int]:
+    """Algorithm 1: per request, how many leading draft tokens to verify.
+
+    ``survival[r][j]`` is a_{r,j+1}; ``base_tokens`` counts the step's other tokens (prefill
+    chunks), which the verify step's cost includes."""
+    R = len(survival)
+    counts = [0] * R
+    if R == 0:
+        return counts
+    b, tau = R, float(R)
+    best = tau * sps(base_tokens + b)
+    pairs = sorted(((a, r, j) for r, row in enumerate(survival) for j, a in enumerate(row)),
+                   key=lambda p: (-p[0], p[1], p[2]))
+    # a_{r,j} never grows with j (a product of confidences <= 1) and ties go earlier first,
+    # so each request's verified tokens stay a prefix of its draft
+    for a, r, _ in pairs:
+        theta = (tau + a) * sps(base_tokens + b + 1)
+        if theta <= best:
+            break
+        b, tau, best = b + 1, tau + a, theta
+        counts[r] += 1
+    return counts

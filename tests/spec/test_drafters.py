@@ -1,0 +1,42 @@
+"""Draft sources: prompt lookup and the suffix index shared across requests."""
+
+from deepinfer.spec.drafters import NgramDrafter, SuffixDrafter
+
+
+def test_ngram_takes_the_longest_suffix_match():
+    d = NgramDrafter(1, 3)
+    #              a  b  c  X  ...  b  c  Y  ...  a  b  c
+    tokens = [1, 2, 3, 10, 11, 2, 3, 20, 21, 1, 2, 3]
+    draft = d.propose(tokens, 2)
+    assert draft.tokens == [10, 11]  # "1 2 3" (length 3) beats the later "2 3" (length 2)
+    assert draft.features == [3, 3]
+    assert draft.source == "ngram"
+
+
+def test_ngram_prefers_the_latest_of_equal_matches_and_respects_min():
+    d = NgramDrafter(1, 2)
+    assert d.propose([5, 6, 5, 7, 5], 1).tokens == [7]
+    assert NgramDrafter(2, 3).propose([5, 6, 4, 5], 3).tokens == []  # only a 1-token match
+    assert d.propose([5, 6, 7], 3).tokens == []  # the last token never occurred before
+    assert d.propose([1, 2, 1, 2, 1], 5).tokens == [2, 1]  # continuation stops at the end
+
+
+def test_suffix_index_proposes_what_other_requests_continued():
+    d = SuffixDrafter(1, 3)
+    assert d.propose([7, 8, 9], 4).tokens == []  # empty index
+    d.observe([1, 7, 8, 9, 4, 5, 6])
+    d.observe([2, 7, 8, 9, 4, 5, 6])
+    d.observe([3, 8, 9, 30])
+    draft = d.propose([100, 7, 8, 9], 3)
+    assert draft.tokens == [4, 5, 6]  # "7 8 9" -> 4 twice, while "8 9" alone also saw 30
+    # the first step: context "7 8 9" (length 3), continuation share 2/2 -> 4 + 5 * 2
+    assert draft.features[0] == 14
+    assert d.propose([100, 8, 9], 1).tokens == [4]  # "8 9": 4 (twice) beats 30 (once)
+    assert d.propose([100, 8, 9], 1).features == [round(4 * 2 / 3) + 5]
+
+
+def test_suffix_index_is_bounded():
+    d = SuffixDrafter(1, 2, max_contexts=10)
+    d.observe(list(range(100)))
+    assert len(d.next) == 10
+    assert d.propose([98], 1).tokens == [99]  # the most recent contexts stay

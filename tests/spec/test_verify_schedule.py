@@ -1,0 +1,80 @@
+"""Algorithm 1 against a brute-force optimum over every prefix choice, on small cases."""
+
+import itertools
+import random
+
+import pytest
+
+from deepinfer.spec.verify_schedule import SpsProfile, plan_verify
+
+
+def throughput(survival, counts, sps, base=0):
+    tau = len(survival) + sum(sum(row[:c]) for row, c in zip(survival, counts))
+    return tau * sps(base + len(survival) + sum(counts))
+
+
+def brute_force(survival, sps, base=0):
+    choices = itertools.product(*[range(len(row) + 1) for row in survival])
+    return max(throughput(survival, c, sps, base) for c in choices)
+
+
+def random_survival(rng, r, k):
+    rows = []
+    for _ in range(r):
+        a, row = 1.0, []
+        for _ in range(rng.randint(0, k)):
+            a *= rng.uniform(0.05, 1.0)
+            row.append(a)
+        rows.append(row)
+    return rows
+
+
+PROFILES = {
+    # step time affine in tokens (CPU-like)
+    "affine": lambda b: 1.0 / (0.02 + 0.004 * b),
+    # flat until the device saturates, then affine (GPU-like)
+    "knee": lambda b: 1.0 / max(0.02, 0.012 + 0.001 * b),
+    "table": SpsProfile([1, 2, 4, 8, 16, 32], [50.0, 49.0, 48.0, 45.0, 30.0, 16.0]),
+}
+
+
+@pytest.mark.parametrize("name", list(PROFILES))
+def test_matches_brute_force_optimum(name):
+    sps, rng = PROFILES[name], random.Random(0)
+    for _ in range(300):
+        survival = random_survival(rng, rng.randint(1, 4), 4)
+        base = rng.choice([0, 0, 7])
+        counts = plan_verify(survival, sps, base)
+        assert all(0 <= c <= len(row) for c, row in zip(counts, survival))
+        assert throughput(survival, counts, sps, base) == pytest.approx(brute_force(survival, sps, base))
+
+
+def test_never_verifies_a_token_with_negative_marginal_value():
+    sps, rng = PROFILES["table"], random.Random(1)
+    for _ in range(300):
+        survival = random_survival(rng, rng.randint(1, 5), 5)
+        counts = plan_verify(survival, sps)
+        for r, c in enumerate(counts):
+            if c == 0:
+                continue
+            fewer = list(counts)
+            fewer[r] -= 1  # dropping the request's last verified token must not help
+            assert throughput(survival, fewer, sps) < throughput(survival, counts, sps)
+
+
+def test_cheap_verification_takes_everything_and_costly_none():
+    survival = [[0.9, 0.8], [0.5]]
+    assert plan_verify(survival, lambda b: 100.0) == [2, 1]  # free tokens: verify all
+    assert plan_verify(survival, lambda b: 1.0 / b) == [0, 0]  # a token costs a full step
+    assert plan_verify([], lambda b: 1.0) == []
+
+
+def test_profile_interpolates_step_time():
+    p = SpsProfile([1, 4], [100.0, 50.0])  # 10 ms, 20 ms
+    assert p(1) == pytest.approx(100.0)
+    assert p(2) == pytest.approx(1 / (0.010 + 0.010 / 3))
+    assert p(7) == pytest.approx(1 / 0.030)  # extrapolated
+    noisy = SpsProfile([1, 2, 4], [100.0, 50.0, 80.0])  # 4 tokens measured faster than 2
+    assert noisy(4) == pytest.approx(50.0)
+    with pytest.raises(ValueError):
+        SpsProfile([4, 1], [1.0, 1.0])
