@@ -27,7 +27,7 @@ def test_pages_round_trip_as_the_bytes_of_an_l3_file(store_service, tmp_path):
     store = open_store(store_service)
     pages = [(key(i), os.urandom(1000 + i), 4, None) for i in range(5)]
     assert store.put_many(pages) == [True] * 5
-    assert [store.get(k) for k, _, _ in pages] == [p for _, p, _ in pages]
+    assert [store.get(k) for k, _, _, _ in pages] == [p for _, p, _, _ in pages]
     assert store.contains(key(3)) and not store.contains(key(99)) and store.known(key(3))
     assert store.get(key(99)) is None
     # what the store holds is byte for byte what the directory store writes for that page
