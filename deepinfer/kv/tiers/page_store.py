@@ -53,6 +53,19 @@ class PageStore(ABC):
     @abstractmethod
     def close(self) -> None: ...
 
+    def read_into(self, key: str, dest: list[memoryview], expect: PageId | None = None) -> bool:
+        """Like ``get``, the payload into the caller's buffers ``dest`` (here a copy; the
+        directory store reads straight into them). False if absent, bad or not ``dest``'s size."""
+        payload = self.get(key, view=True, expect=expect)
+        flat = [d.cast("B") if d.ndim != 1 or d.format != "B" else d for d in dest]
+        if payload is None or len(payload) != sum(d.nbytes for d in flat):
+            return False
+        off = 0
+        for d in flat:
+            d[:] = payload[off : off + d.nbytes]
+            off += d.nbytes
+        return True
+
     def put_many(self, items: list[PageItem]) -> list[bool]:
         """Store pages; per page, True if stored. One round trip on a networked store, one
         file after another on a directory."""

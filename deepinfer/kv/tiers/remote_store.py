@@ -263,6 +263,11 @@ class LayeredStore(PageStore):
                 return got
         return self.remote.get(key, view, expect)
 
+    def read_into(self, key: str, dest: list[memoryview], expect: PageId | None = None) -> bool:
+        if (self.local.known(key) or self.local.contains(key)) and self.local.read_into(key, dest, expect):
+            return True
+        return self.remote.read_into(key, dest, expect)
+
     def contains(self, key: str) -> bool:
         return self.local.contains(key) or self.remote.contains(key)
 

@@ -51,7 +51,9 @@ class MooncakeClient(KVClient):
         self._setup_args = (local_hostname, metadata_server, global_segment_size,
                             local_buffer_size, protocol, device_name, f"{host}:{port}")
         self._conn: MooncakeDistributedStore | None = None
-        self._connecting = threading.Lock()
+        # one call at a time: concurrent calls into the client crashed it (SIGSEGV) when the
+        # master died under them
+        self._connecting = threading.RLock()
 
     @property
     def _store(self):  # noqa: ANN202 - the extension's own type
@@ -68,14 +70,24 @@ class MooncakeClient(KVClient):
                 self._conn = store
             return self._conn
 
+    def _drop(self) -> None:
+        """Forget a client that failed: calls into it after its master died crashed the
+        process, so the next call connects afresh (once the master's port answers)."""
+        with self._connecting:
+            self._conn = None
+
     def exists(self, keys: list[str]) -> list[bool]:
-        codes = self._store.batch_is_exist(keys)
+        with self._connecting:
+            codes = self._store.batch_is_exist(keys)
         if any(c < 0 for c in codes):
+            self._drop()
             raise StoreError(f"batch_is_exist returned {min(codes)}")
         return [c == 1 for c in codes]
 
     def get(self, keys: list[str]) -> list[bytes | None]:
-        return [v if v else None for v in self._store.get_batch(keys)]  # a miss reads b""
+        with self._connecting:
+            got = self._store.get_batch(keys)
+        return [v if v else None for v in got]  # a miss reads b""
 
     def put(self, keys: list[str], values: list[bytes]) -> None:
         i = 0
@@ -84,8 +96,10 @@ class MooncakeClient(KVClient):
             while j < len(keys) and (j == i or size + len(values[j]) <= self.max_batch_bytes):
                 size += len(values[j])
                 j += 1
-            rc = self._store.upsert_batch(keys[i:j], values[i:j])  # upsert: replaces a bad page
+            with self._connecting:
+                rc = self._store.upsert_batch(keys[i:j], values[i:j])  # upsert: replaces a bad page
             if rc != 0:
+                self._drop()
                 raise StoreError(f"upsert_batch returned {rc}")
             i = j
 
