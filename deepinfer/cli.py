@@ -80,6 +80,12 @@ def add_tier_args(p: argparse.ArgumentParser) -> None:
                    help="write_through: every cached page also goes to L3 at once; write_back: pages "
                         "go down a tier only when evicted; selective: L3 only after --selective-hits hits")
     t.add_argument("--selective-hits", type=int, default=d.selective_hits)
+    t.add_argument("--kv-store", default=None, metavar="URL",
+                   help="networked L3 shared by engines, behind the local directory: "
+                        "mooncake://MASTER_HOST:PORT or redis://HOST:PORT[/DB]")
+    t.add_argument("--kv-store-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="an option of the store (repeatable), e.g. protocol=tcp, "
+                        "global_segment_size=1073741824, retry_s=5 (docs/architecture.md)")
 
 
 def add_secret_arg(p) -> None:
@@ -116,6 +122,8 @@ def speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
+    from .kv.tiers.store_clients import parse_store_options
+
     return EngineConfig(
         model=args.model, dtype=args.dtype, device=args.device, threads=args.threads,
         quantization=args.quantization, quantization_kernel=args.quantization_kernel,
@@ -132,6 +140,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         kv_codec_host=args.kv_codec_host, kv_codec_disk=args.kv_codec_disk,
         kv_store_secret=args.kv_store_secret or None,
         cache_policy=args.cache_policy, selective_hits=args.selective_hits,
+        kv_store=args.kv_store, kv_store_options=parse_store_options(args.kv_store_option),
         speculative_config=speculative_config(args))
 
 

@@ -51,6 +51,9 @@ class EngineConfig:
     # be poisoned by anyone without it. None: a CRC-32 (catches damage, not forgery).
     kv_store_secret: str | None = field(default=None, repr=False)
     cache_policy: str = "write_through"  # write_through | write_back | selective
+    # Networked L3 shared by engines (kv/tiers/store_clients.py), behind the local directory.
+    kv_store: str | None = None  # mooncake://MASTER_HOST:PORT | redis://HOST:PORT[/DB]
+    kv_store_options: dict[str, str] = field(default_factory=dict)  # the store's own options
     selective_hits: int = 2  # selective: lookups a prefix needs before it is written to L3
     speculative_config: SpeculativeConfig | None = None  # None: no speculative decoding
     seed: int = 0
@@ -73,6 +76,10 @@ class EngineConfig:
             raise ValueError(f"cache_policy must be one of {', '.join(POLICIES)}, got {self.cache_policy!r}")
         if self.host_cache_gb < 0 or self.disk_cache_gb < 0:
             raise ValueError("host_cache_gb and disk_cache_gb must be >= 0")
+        if self.kv_store is not None:
+            from .kv.tiers.store_clients import check_store_url
+
+            check_store_url(self.kv_store, self.kv_store_options)
         if self.selective_hits < 1:
             raise ValueError("selective_hits must be >= 1")
         from .kv.window.manager import REUSE_MODES

@@ -271,11 +271,15 @@ class ReplayResult:
 class _Replayer:
     def __init__(self, page_size: int, l1_pages: int, l2_pages: int, l3_pages: int,
                  chunk_tokens: int, max_node_pages: int, outputs: bool,
-                 policy: TierPolicy | None) -> None:
+                 policy: TierPolicy | None, backend: CountingTierBackend | None = None) -> None:
+        """``backend``: lower tiers of its own (the cluster planner's shared pool) instead
+        of ``l2_pages`` / ``l3_pages`` counting ones."""
         self.ps = page_size
         self.chunk = chunk_tokens
         self.outputs = outputs
-        self.backend = CountingTierBackend(l2_pages, l3_pages) if (l2_pages or l3_pages) else None
+        if backend is None and (l2_pages or l3_pages):
+            backend = CountingTierBackend(l2_pages, l3_pages)
+        self.backend = backend
         self.kv = KVCacheManager(_LazyAllocator(l1_pages + 1), page_size, "deepinfer-planner",
                                  enable_prefix_cache=True, max_node_pages=max_node_pages,
                                  tiers=self.backend, policy=policy)

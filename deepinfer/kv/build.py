@@ -92,12 +92,15 @@ def build_tiers(config: EngineConfig, pool: PagePool, model_identity: str) -> Ti
     disk_dir = c.disk_cache_path()
     sizes = bounded_sizes(c.host_cache_gb, disk_dir, c.disk_cache_gb)
     tiers = None
-    if sizes.host_bytes > 0 or sizes.disk_bytes > 0:
+    # with a networked store, disk_cache_gb also bounds what the tree indexes there
+    l3_bytes = sizes.disk_bytes or (int(c.disk_cache_gb * 2**30) if c.kv_store else 0)
+    if sizes.host_bytes > 0 or l3_bytes > 0:
         secret = c.kv_store_secret.encode() if c.kv_store_secret else None
         tiers = TierIO(PoolTransfer(pool), c.page_size, model_identity,
                        host_bytes=sizes.host_bytes, host_codec=c.kv_codec_host,
                        disk_dir=disk_dir if sizes.disk_bytes > 0 else None,
-                       disk_bytes=sizes.disk_bytes, disk_codec=c.kv_codec_disk, disk_secret=secret)
+                       disk_bytes=l3_bytes, disk_codec=c.kv_codec_disk, disk_secret=secret,
+                       kv_store=c.kv_store, kv_store_options=c.kv_store_options)
     if c.host_cache_gb > 0 and (tiers is None or tiers.host_capacity == 0):
         log.warning("L2 (host) KV tier has no usable capacity: --host-cache-gb %g is bounded to "
                     "%d bytes by the available memory, less than one page; L2 is off",

@@ -41,6 +41,7 @@ from ...log_limit import RateLimitedLog
 from .disk_file import BadFile, PageFormat, PageId
 
 __all__ = ["DiskStore"]
+from .page_store import PageStore
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +64,7 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-class DiskStore:
+class DiskStore(PageStore):
     """Content-addressed page files, bound to their pages, with atomic writes and an LRU
     byte budget.
 
@@ -85,6 +86,7 @@ class DiskStore:
         secret: bytes | None = None,
     ) -> None:
         self.path = os.fspath(path)
+        self.where = self.path
         self.capacity_bytes = int(capacity_bytes)
         self.namespace = namespace
         self.format = PageFormat(namespace, secret)

@@ -26,7 +26,7 @@ from ..radix import DISK, HOST
 from .backend import LoadJob
 from .codecs import Codec
 from .disk_file import PageId
-from .disk_store import DiskStore
+from .page_store import PageStore
 from .page_bytes import KVTransfer, decode_pages
 
 log = logging.getLogger(__name__)
@@ -38,7 +38,7 @@ class PageLoader:
     READ_CHUNK = 8  # consecutive L3 pages one reader takes at a time (decoded together)
 
     def __init__(self, transfer: KVTransfer, host_codec: Codec, disk_codec: Codec,
-                 host_page_nbytes: int, disk_page_nbytes: int, store: DiskStore | None,
+                 host_page_nbytes: int, disk_page_nbytes: int, store: PageStore | None,
                  read_host: Callable[[list[int]], torch.Tensor],
                  wait_written: Callable[[str], None], side: Any, *,
                  loaders: int = 2, readers: int = 4) -> None:

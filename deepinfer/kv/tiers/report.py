@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..cache_manager import CacheStats
+from .remote_store import REMOTE_COUNTERS
 
 
 def tier_fields(s: CacheStats, t: dict[str, Any]) -> dict[str, Any]:
@@ -14,7 +15,13 @@ def tier_fields(s: CacheStats, t: dict[str, Any]) -> dict[str, Any]:
     tier; bad files on L3 by kind; every L3 write lost, by cause; pages held per tier."""
     b = t["backend"]
     disk = b.get("disk", {})
-    return {
+    remote = b.get("remote")
+    if remote is not None:  # the networked L3 store (--kv-store)
+        out: dict[str, Any] = {f"cache_remote_{k}_total": remote[k] for k in REMOTE_COUNTERS}
+        out["cache_remote_available"] = b["remote_available"]
+    else:
+        out = {}
+    return out | {
         "cache_pages_by_tier": t["pages"],
         "cache_capacity_pages_by_tier": t["capacity"],
         "cache_evicted_pages_by_tier": t["evicted"],

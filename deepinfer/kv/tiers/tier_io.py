@@ -1,8 +1,9 @@
 """Data movement of the lower KV tiers: the engine's ``TierBackend``.
 
 ``TierIO`` moves pages between the device pool (through a ``KVTransfer``), the L2 host store
-(``HostStore`` slots, pinned on CUDA) and the L3 disk store (``DiskStore`` files), encoding
-with a codec per tier (a page's bytes: ``page_bytes.py``). Policy (what moves where, when,
+(``HostStore`` slots, pinned on CUDA) and the L3 page store (a ``PageStore``: ``DiskStore``
+files, a networked ``RemoteStore``, or both), encoding with a codec per tier (a page's bytes:
+``page_bytes.py``). Policy (what moves where, when,
 capacity) lives in ``policy.py``.
 
 Threads, so that neither decoding nor the scheduler waits on a copy:
@@ -44,6 +45,9 @@ from .host_store import HostStore
 from .page_bytes import KVTransfer, check_codec, decode_pages, encode_pages, page_nbytes
 from .page_loader import PageLoader
 from .disk_file import PageId
+from .page_store import PageStore
+from .remote_store import LayeredStore, RemoteStore
+from .store_clients import open_remote_store
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +59,10 @@ class TierIO(TierBackend):
                  host_bytes: int = 0, host_codec: str = "lossless",
                  disk_dir: str | os.PathLike[str] | None = None, disk_bytes: int = 0,
                  disk_codec: str = "lossless", disk_secret: bytes | None = None,
+                 kv_store: str | None = None, kv_store_options: dict[str, str] | None = None,
                  max_pending_bytes: int = 1 << 30, loaders: int = 2, read_ahead: int = 4) -> None:
+        """``kv_store``: a networked L3 store's URL (``store_clients.py``), behind the local
+        directory when there is one; ``disk_bytes`` then bounds what the tree indexes on L3."""
         self.transfer = transfer
         self.page_size = page_size
         self.shapes = transfer.shapes
@@ -65,7 +72,7 @@ class TierIO(TierBackend):
         self.host_codec = get_codec(host_codec, page_size=page_size)
         self.disk_codec = get_codec(disk_codec, page_size=page_size)
         use_host = host_bytes > 0
-        use_disk = disk_dir is not None and disk_bytes > 0
+        use_disk = (disk_dir is not None or kv_store is not None) and disk_bytes > 0
         if use_host:
             check_codec(self.host_codec, self.shapes)
         if use_disk:
@@ -78,11 +85,20 @@ class TierIO(TierBackend):
             self.host = HostStore(host_pages * self.host_page_nbytes, self.host_page_nbytes,
                                   pin_memory=self.cuda)
             host_pages = self.host.num_slots
-        self.store: DiskStore | None = None
+        self.store: PageStore | None = None
+        self.remote: RemoteStore | None = None
         disk_pages = 0
         self.namespace = f"{namespace}|codec={self.disk_codec.tag}"
         if use_disk:
-            self.store = DiskStore(disk_dir, disk_bytes, self.namespace, secret=disk_secret)
+            if kv_store is not None:
+                self.remote = open_remote_store(kv_store, kv_store_options or {}, self.namespace,
+                                                secret=disk_secret)
+            local = (DiskStore(disk_dir, disk_bytes, self.namespace, secret=disk_secret)
+                     if disk_dir is not None else None)
+            if local is not None and self.remote is not None:
+                self.store = LayeredStore(local, self.remote)
+            else:
+                self.store = local if local is not None else self.remote
             disk_pages = disk_bytes // self.store.file_bytes(self.disk_page_nbytes)
         self.host_capacity = host_pages
         self.disk_capacity = disk_pages
@@ -244,8 +260,8 @@ class TierIO(TierBackend):
         ok = [False] * len(keys)
         try:
             rows = produce().cpu().numpy()
-            for i, k in enumerate(keys):
-                ok[i] = self.store.put(k, rows[i].tobytes(), token_count, ids[i])
+            ok = self.store.put_many([(k, rows[i].tobytes(), token_count, ids[i])
+                                      for i, k in enumerate(keys)])
         except Exception:  # noqa: BLE001 - a cache write must never take the engine down
             log.exception("L3 write of %d files failed", len(keys))
         with self._lock:
@@ -361,7 +377,10 @@ class TierIO(TierBackend):
             out["host"] = self.host.stats()
         if self.store is not None:
             out["disk"] = self.store.stats()
-            out["disk_dir"] = self.store.path
+            out["disk_dir"] = self.store.where
+        if self.remote is not None:
+            out["remote"] = self.remote.stats()
+            out["remote_available"] = self.remote.available()
         return out
 
 
