@@ -134,7 +134,7 @@ def main() -> int:
 
     from deepinfer.config import EngineConfig
     from deepinfer.engine import LLMEngine
-    from deepinfer.server.app import BackgroundServer
+    from deepinfer.server.serve import BackgroundServer
     from deepinfer.server.config import ServerConfig, read_chat_template
 
     tmp = Path(tempfile.mkdtemp(prefix="deepinfer-agent-bench-"))

@@ -348,7 +348,7 @@ def add_cache_subcommands(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from .server.app import run_server
+    from .server.serve import run_server
     from .server.config import server_config
 
     if args.model_tag is not None:  # ``deepinfer serve MODEL``, as ``vllm serve MODEL``

@@ -18,12 +18,11 @@ import itertools
 import logging
 import sys
 import time
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
-from .config import EngineConfig, SpeculativeConfig
+from .config import EngineConfig
 from .errors import RequestError
 from .hardware import describe_device
 from .kv.build import build_cache_manager, build_tiers
@@ -36,11 +35,10 @@ from .loader import load_checkpoint
 from .log_limit import RateLimitedLog
 from .model_runner import ModelRunner
 from .request import Request, SampleGroup
+from .request_output import RequestOutput, request_output
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
-from .spec.decoder import SpeculativeDecoder
-from .spec.profile import profile_sps
-from .spec.verify_schedule import SpsProfile
+from .spec.step import build_decoder, emit_verified
 from .threads import apply_thread_policy
 
 if TYPE_CHECKING:
@@ -49,40 +47,6 @@ if TYPE_CHECKING:
 MAX_DEFAULT_LEN = 8192
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class RequestOutput:
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    finish_reason: str | None
-    num_prompt_tokens: int
-    num_cached_tokens: int  # prompt tokens whose KV came from the cache
-    num_computed_tokens: int  # prompt tokens prefilled by this request (prompt - cached - replayed)
-    cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
-    logprobs: list[float] | None = None
-    top_logprobs: list[list[tuple[int, float]]] | None = None
-    ttft: float | None = None
-    latency: float | None = None
-    # prompt tokens of the prefix hit recomputed for sliding-window layers (kv/window/);
-    # cached + replayed + computed == prompt tokens
-    num_replayed_tokens: int = 0
-    index: int = 0  # which of the request's ``n`` samples (ranked by best_of when it is set)
-    cumulative_logprob: float | None = None  # of the sampled tokens (with logprobs or best_of)
-    error: str | None = None  # finish reason "error": what failed this request alone
-    # its loads from L2/L3: seconds from queueing to data in L1, seconds reading and bytes read
-    # by tier, and the effective throughput (bytes over the whole wait)
-    load_seconds: float = 0.0
-    load_seconds_by_tier: dict[str, float] = field(default_factory=dict)
-    load_bytes_by_tier: dict[str, int] = field(default_factory=dict)
-    load_gb_per_s: float = 0.0
-    # speculative decoding (spec/): draft tokens proposed, verified, accepted; verify steps
-    num_drafted_tokens: int = 0
-    num_verified_tokens: int = 0
-    num_accepted_tokens: int = 0
-    num_verify_steps: int = 0
 
 
 class LLMEngine:
@@ -121,18 +85,10 @@ class LLMEngine:
         self.failed_requests = 0  # requests ended by an exception in their own work
         self._errors = RateLimitedLog(log)
         self._grammars: GrammarCompiler | None = None  # built on the first constrained request
-        self.spec = self._build_speculative(config.speculative_config)
-
-    def _build_speculative(self, sc: SpeculativeConfig | None) -> SpeculativeDecoder | None:
-        if sc is None:
-            return None
-        span = min(self.scheduler.max_chunk, self.config.max_num_batched_tokens)
-        sps = None
-        if sc.scheduled:
-            sps = (SpsProfile(list(sc.sps_tokens), list(sc.sps_steps_per_s or ()))
-                   if sc.sps_tokens is not None else
-                   profile_sps(self.runner, self.kv, min(span, 64), self.hf_config.vocab_size))
-        return SpeculativeDecoder(sc, self.runner, self.kv, span, self.max_model_len, sps)
+        sc = config.speculative_config
+        self.spec = None if sc is None else build_decoder(
+            sc, self.runner, self.kv, min(self.scheduler.max_chunk, config.max_num_batched_tokens),
+            self.max_model_len, self.hf_config.vocab_size)
 
     def shutdown(self, timeout: float | None = 60.0) -> bool:
         """Graceful stop: wait for queued L2/L3 writes to land, stop the tier threads.
@@ -275,21 +231,11 @@ class LLMEngine:
                                type(e).__name__, e)
             return [r for part in self._forward(items) for r in self._advance(*part)]
         out = self._advance(items, spec.sampled, spec.logits)
-        now = time.monotonic()
-        for req, tokens in spec.verified:  # one token at a time: stop conditions per token
-            for i, tok in enumerate(tokens):
-                if i:  # the token before was an accepted draft token: its KV is in the pages
-                    req.num_computed_tokens += 1
-                    self.kv.cache_pages(req)
-                req.output_token_ids.append(tok)
-                if req.first_token_time is None:
-                    req.first_token_time = now
-                self._check_stop(req)
-                if req.is_finished:
-                    req.finish_time = now
-                    self.requests.pop(req.request_id, None)
-                    break
-            out.append(req)
+        verified = emit_verified(spec.verified, self.kv, self._check_stop, time.monotonic())
+        for req in verified:
+            if req.is_finished:
+                self.requests.pop(req.request_id, None)
+        out += verified
         for req in out:
             if req.is_finished:
                 self.spec.observe(req)  # shared draft sources learn finished sequences
@@ -427,35 +373,7 @@ class LLMEngine:
         return text
 
     def make_output(self, req: Request) -> RequestOutput:
-        cached, p = req.num_cached_tokens or 0, req.params
-        return RequestOutput(
-            request_id=req.request_id,
-            prompt_token_ids=req.prompt_token_ids,
-            token_ids=list(req.output_token_ids),
-            text=self.output_text(req),
-            finish_reason=req.finish_reason,
-            num_prompt_tokens=req.num_prompt_tokens,
-            num_cached_tokens=cached,
-            num_computed_tokens=req.num_prompt_tokens - cached - req.num_replayed_tokens,
-            cached_tokens_by_tier=dict(req.cached_tokens_by_tier),
-            logprobs=list(req.logprobs) if req.params.logprobs is not None else None,
-            top_logprobs=list(req.top_logprobs) if req.params.logprobs else None,
-            ttft=None if req.first_token_time is None else req.first_token_time - req.arrival_time,
-            latency=None if req.finish_time is None else req.finish_time - req.arrival_time,
-            num_replayed_tokens=req.num_replayed_tokens,
-            num_drafted_tokens=req.spec.drafted,
-            num_verified_tokens=req.spec.verified,
-            num_accepted_tokens=req.spec.accepted,
-            num_verify_steps=req.spec.steps,
-            index=req.sample_index,
-            cumulative_logprob=req.cumulative_logprob
-            if p.logprobs is not None or p.num_samples > p.n else None,
-            error=req.error,
-            load_seconds=req.load_stats.seconds,
-            load_seconds_by_tier=dict(req.load_stats.seconds_by_tier),
-            load_bytes_by_tier=dict(req.load_stats.bytes_by_tier),
-            load_gb_per_s=req.load_stats.gb_per_s,
-        )
+        return request_output(req, self.output_text(req))
 
     def group_outputs(self, req: Request) -> list[RequestOutput]:
         """The outputs a request returns: itself, or its ``n`` chosen samples (index 0..n-1)."""

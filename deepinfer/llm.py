@@ -7,7 +7,8 @@ from dataclasses import fields
 
 from .chat import ChatSession, render_chat
 from .config import EngineConfig
-from .engine import LLMEngine, RequestOutput
+from .engine import LLMEngine
+from .request_output import RequestOutput
 from .sampling_params import SamplingParams
 from .spec.config import SpeculativeConfig
 

@@ -3,8 +3,9 @@
 ``deepinfer serve`` runs it; ``BackgroundServer`` runs one in a thread (tests, benchmarks).
 Modules: ``config`` (options), ``protocol`` (request validation, error bodies),
 ``prompts`` (prefix-stable chat encoding), ``detokenize`` (streaming text),
-``async_engine`` (the engine thread), ``metrics`` (Prometheus text), ``app`` (endpoints).
-See docs/server.md. FastAPI is imported only when ``app`` is.
+``async_engine`` (the engine thread), ``metrics`` (Prometheus text), ``app`` (endpoints),
+``serve`` (uvicorn, ``BackgroundServer``). See docs/server.md. FastAPI is imported only when
+``app`` or ``serve`` is.
 """
 
 from .config import ServerConfig
@@ -13,8 +14,12 @@ __all__ = ["BackgroundServer", "ServerConfig", "create_app", "run_server"]
 
 
 def __getattr__(name: str):
-    if name in ("BackgroundServer", "create_app", "run_server"):
+    if name == "create_app":
         from . import app
 
-        return getattr(app, name)
+        return app.create_app
+    if name in ("BackgroundServer", "run_server"):
+        from . import serve
+
+        return getattr(serve, name)
     raise AttributeError(name)

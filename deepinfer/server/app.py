@@ -22,11 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
-import logging
-import socket
-import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -38,7 +34,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..engine import LLMEngine
 from .anthropic import error_response, message_body, parse_messages_request, stream_events
 from .async_engine import AsyncEngine
-from .boundary import CatchAll, read_json
+from .boundary import BearerAuth, CatchAll, read_json
 from .config import ServerConfig, generation_defaults
 from .metrics import render
 from .outputs import Admitted, Delta, Submission, merge_deltas
@@ -46,40 +42,7 @@ from .protocol import APIError, ParsedRequest, get_str, parse_request
 from .tokenize import detokenize, tokenize
 from .tools import ToolCallStream, ToolOutput
 
-log = logging.getLogger("deepinfer.server")
-
 _DISCONNECTED = object()
-
-
-# ---------------------------------------------------------------------- auth
-class BearerAuth:
-    """ASGI middleware: ``Authorization: Bearer <key>`` (or Anthropic's ``x-api-key: <key>``)
-    on every path but /health."""
-
-    OPEN = frozenset({"/health"})
-
-    def __init__(self, app, api_key: str) -> None:
-        self.app = app
-        self.key = api_key.encode()
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or scope["path"] in self.OPEN:
-            return await self.app(scope, receive, send)
-        auth = x_api_key = b""
-        for k, v in scope.get("headers", []):
-            if k == b"authorization":
-                auth = v
-            elif k == b"x-api-key":
-                x_api_key = v
-        scheme, _, token = auth.partition(b" ")
-        if (scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key)) or \
-                (x_api_key and hmac.compare_digest(x_api_key.strip(), self.key)):
-            return await self.app(scope, receive, send)
-        err = APIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
-                       code="invalid_api_key")
-        resp = JSONResponse(err.body(), status_code=401,
-                            headers={"WWW-Authenticate": "Bearer"})
-        await resp(scope, receive, send)
 
 
 # ---------------------------------------------------------------------- formatting
@@ -464,72 +427,3 @@ class Server:
 
 def create_app(engine: LLMEngine, config: ServerConfig | None = None) -> FastAPI:
     return Server(engine, config).build_app()
-
-
-# ---------------------------------------------------------------------- running
-def _uvicorn_config(app: FastAPI, config: ServerConfig):
-    import uvicorn
-
-    return uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
-                          lifespan="on", timeout_graceful_shutdown=config.shutdown_timeout_s)
-
-
-def run_server(engine_config, config: ServerConfig) -> int:
-    """Build the engine and serve until SIGINT/SIGTERM (then drain and stop)."""
-    import uvicorn
-
-    logging.basicConfig(level=config.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    engine = LLMEngine(engine_config)
-    app = create_app(engine, config)
-    log.info("serving %s on http://%s:%d (max_model_len %d)", app.state.server.model_name,
-             config.host, config.port, engine.max_model_len)
-    try:
-        uvicorn.Server(_uvicorn_config(app, config)).run()
-    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown
-        pass
-    return 0
-
-
-class BackgroundServer:
-    """A server on a loopback port in a background thread (tests, benchmarks, notebooks)."""
-
-    def __init__(self, engine: LLMEngine, config: ServerConfig | None = None) -> None:
-        import uvicorn
-
-        config = config or ServerConfig(port=0, log_level="warning")
-        self.app = create_app(engine, config)
-        self.server_obj: Server = self.app.state.server
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._sock.bind((config.host, config.port))
-        self.host, self.port = self._sock.getsockname()[:2]
-        self._uvicorn = uvicorn.Server(_uvicorn_config(self.app, config))
-        self._thread = threading.Thread(target=self._uvicorn.run, kwargs={"sockets": [self._sock]},
-                                        name="deepinfer-http", daemon=True)
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-    @property
-    def async_engine(self) -> AsyncEngine:
-        return self.server_obj.async_engine
-
-    def start(self, timeout: float = 60.0) -> BackgroundServer:
-        self._thread.start()
-        t0 = time.monotonic()
-        while not self._uvicorn.started:
-            if not self._thread.is_alive() or time.monotonic() - t0 > timeout:
-                raise RuntimeError("the server did not start")
-            time.sleep(0.02)
-        return self
-
-    def stop(self, timeout: float = 60.0) -> None:
-        self._uvicorn.should_exit = True
-        self._thread.join(timeout)
-
-    def __enter__(self) -> BackgroundServer:
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()

@@ -25,21 +25,20 @@ import concurrent.futures
 import logging
 import queue
 import threading
-import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from ..engine import LLMEngine
 from ..errors import RequestError
 from ..kv.radix import DEVICE
 from ..log_limit import RateLimitedLog
-from ..request import Request, SampleGroup
+from ..request import Request
 from .cache_explain import CacheExplainer
 from ..structured.spec import StructuredOutput
-from .cache_control import PinTable, breakpoint_positions, creation_tokens
+from .cache_control import PinTable, breakpoint_positions
 from .config import ServerConfig
 from .detokenize import TextStream
+from .live import Live, account, deliver, group_end, token_logprobs
 from .metrics import ServerMetrics
 from .outputs import Admitted, Delta, QueueFull, Submission, Usage
 from .prompts import BuiltPrompt, PromptBuilder
@@ -49,24 +48,6 @@ from .tools import ToolOutput, number_calls, resolve_parser
 log = logging.getLogger("deepinfer.server")
 
 UNHEALTHY_AFTER = 2  # failed steps in a row that make /health answer 503
-
-
-@dataclass
-class _Live:
-    sub: Submission
-    req: Request
-    queue: asyncio.Queue
-    stream: TextStream
-    prompt: BuiltPrompt
-    num_sent_ids: int = 0
-    index: int = 0  # its sample's place among the request's n
-    samples_done: int = 0  # (the first sample's) samples whose end was published
-    breakpoints: list[int] = field(default_factory=list)  # token positions of cache_control marks
-
-
-def _deliver(batch: list[tuple[asyncio.Queue, Delta]]) -> None:
-    for q, d in batch:
-        q.put_nowait(d)
 
 
 class AsyncEngine:
@@ -83,8 +64,8 @@ class AsyncEngine:
                              engine.runner.pool.allocator.num_pages // 2)
         self.capacity = engine.config.max_num_seqs + self.config.max_queue
         self._cmds: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        self._live: dict[str, _Live] = {}
-        self._roots: dict[str, _Live] = {}  # requests with several samples, until all are done
+        self._live: dict[str, Live] = {}
+        self._roots: dict[str, Live] = {}  # requests with several samples, until all are done
         self._outbox: list[tuple[asyncio.Queue, Delta]] = []
         self.explainer = CacheExplainer(engine, self.config.recent_pages,
                                         self.config.explain_cross_tenant)
@@ -236,7 +217,7 @@ class AsyncEngine:
         except BaseException as e:  # noqa: BLE001 - handed to the caller
             fut.set_exception(e)
 
-    def _post(self, live: _Live, delta: Delta) -> None:
+    def _post(self, live: Live, delta: Delta) -> None:
         self._outbox.append((live.queue, delta))
 
     def _send_outbox(self) -> None:
@@ -245,7 +226,7 @@ class AsyncEngine:
             return
         batch, self._outbox = self._outbox, []
         try:
-            self._loop.call_soon_threadsafe(_deliver, batch)
+            self._loop.call_soon_threadsafe(deliver, batch)
         except RuntimeError:  # event loop closed: nobody is listening any more
             pass
 
@@ -303,7 +284,7 @@ class AsyncEngine:
         m = self.metrics
         m.prompt_encodings[built.encoding] = m.prompt_encodings.get(built.encoding, 0) + 1
         m.history_rewrites += built.history_rewritten
-        self._live[sub.request_id] = _Live(sub, req, q, TextStream(
+        self._live[sub.request_id] = Live(sub, req, q, TextStream(
             self.tokenizer, built.token_ids, params.stop), built, breakpoints=marks)
         if params.num_samples > 1:
             self._roots[sub.request_id] = self._live[sub.request_id]
@@ -365,15 +346,15 @@ class AsyncEngine:
             if live is not None:
                 self._publish(live, req)
 
-    def _adopt(self, root: _Live, req: Request) -> _Live:
+    def _adopt(self, root: Live, req: Request) -> Live:
         """The stream of a sample forked from ``root``'s request (same client queue)."""
-        live = _Live(root.sub, req, root.queue, TextStream(
+        live = Live(root.sub, req, root.queue, TextStream(
             self.tokenizer, root.prompt.token_ids, req.params.stop), root.prompt,
             index=req.sample_index)
         self._live[req.request_id] = live
         return live
 
-    def _publish(self, live: _Live, req: Request) -> None:
+    def _publish(self, live: Live, req: Request) -> None:
         if req.finish_reason == "error":  # failed alone inside the engine
             del self._live[req.request_id]
             self.metrics.request_errors += 1
@@ -388,7 +369,7 @@ class AsyncEngine:
         start, end = live.num_sent_ids, len(req.output_token_ids)
         new = req.output_token_ids[start:end]
         live.num_sent_ids = end
-        lps = self._logprobs(req, start, end) if live.sub.parsed.want_logprobs else None
+        lps = token_logprobs(self.tokenizer, req, start, end) if live.sub.parsed.want_logprobs else None
         ranked = req.params.best_of is not None  # samples are sent once the best are known
         if not req.is_finished:
             text = live.stream.push(new)
@@ -424,27 +405,9 @@ class AsyncEngine:
                 self._post(live, final)
             return
         del self._roots[req.group.request_id]
-        for d in self._group_end(root, req.group, final, ranked):
+        for d in group_end(root, req.group, final, ranked, self.tokenizer,
+                             self.engine.output_text):
             self._post(root, d)
-
-    def _group_end(self, root: _Live, group: SampleGroup, final: Delta,
-                   ranked: bool) -> list[Delta]:
-        """The last deltas of a request with several samples: the last sample's end, or with
-        best_of the chosen samples whole; the last carries the request's usage (the prompt
-        once, the returned samples' tokens)."""
-        chosen = group.chosen()
-        out = [final]
-        if ranked:
-            want = root.sub.parsed.want_logprobs
-            out = [Delta(self.engine.output_text(m), list(m.output_token_ids),
-                         self._logprobs(m, 0, len(m.output_token_ids)) if want else None,
-                         m.finish_reason, index=j) for j, m in enumerate(chosen)]
-        first = group.members[0]
-        out[-1].usage = Usage(first.num_prompt_tokens,
-                              sum(len(m.output_token_ids) for m in chosen),
-                              min(first.num_cached_tokens or 0, first.num_prompt_tokens),
-                              {k: v for k, v in first.cached_tokens_by_tier.items() if v})
-        return out
 
     def _parse_tool_calls(self, p: ParsedRequest, request_id: str, text: str) -> ToolOutput | None:
         if not p.tools.parse_calls:
@@ -454,43 +417,10 @@ class AsyncEngine:
                                  None if p.tools.parallel else 1)
         return out
 
-    def _account(self, live: _Live, reason: str, computed_tokens: int) -> Usage:
-        """Usage of an ended request, and the server's counters."""
-        req, m = live.req, self.metrics
-        n_prompt = req.num_prompt_tokens
-        hit = min(req.num_cached_tokens or 0, n_prompt)
-        usage = Usage(n_prompt, len(req.output_token_ids), hit,
-                      {k: v for k, v in req.cached_tokens_by_tier.items() if v},
-                      creation_tokens(live.breakpoints, self.engine.kv.page_size, n_prompt, hit))
-        m.finished[reason] = m.finished.get(reason, 0) + 1
-        m.prompt_tokens += n_prompt if req.sample_index == 0 else 0  # samples share the prompt
-        m.generation_tokens += usage.completion_tokens
-        for t, v in req.cached_tokens_by_tier.items():
-            m.cached_by_tier[t] = m.cached_by_tier.get(t, 0) + v
-        now = time.monotonic()
-        arrival = live.sub.arrival
-        if req.first_token_time is not None:
-            m.ttft.observe(req.first_token_time - arrival)
-            n = len(req.output_token_ids)
-            if n > 1:
-                m.tpot.observe(((req.finish_time or now) - req.first_token_time) / (n - 1))
-        if reason != "abort":
-            m.e2e.observe(now - arrival)
-        if req.load_stats.seconds:
-            m.load_seconds.observe(req.load_stats.seconds)
-            m.load_gb_per_s.observe(req.load_stats.gb_per_s)
-        self.explainer.remember_pages(req, computed_tokens)
+    def _account(self, live: Live, reason: str, computed_tokens: int) -> Usage:
+        usage = account(live, reason, self.metrics, self.engine.kv.page_size)
+        self.explainer.remember_pages(live.req, computed_tokens)
         return usage
-
-    def _logprobs(self, req: Request, start: int, end: int) -> list[dict]:
-        dec = self.tokenizer.decode
-        out = []
-        for i in range(start, min(end, len(req.logprobs))):
-            tid = req.output_token_ids[i]
-            tops = req.top_logprobs[i] if i < len(req.top_logprobs) else []
-            out.append({"id": tid, "token": dec([tid]), "logprob": float(req.logprobs[i]),
-                        "top": [(t, dec([t]), float(lp)) for t, lp in (tops or [])]})
-        return out
 
     # ------------------------------------------------------------------ snapshots
     def snapshot(self) -> tuple[dict, ServerMetrics]:

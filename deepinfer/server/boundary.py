@@ -1,8 +1,9 @@
-"""What every request crosses before a handler reads it: the body's type and size, and a
-last-resort answer for an unexpected error that keeps the connection usable."""
+"""What every request crosses before a handler reads it: the API key, the body's type and
+size, and a last-resort answer for an unexpected error that keeps the connection usable."""
 
 from __future__ import annotations
 
+import hmac
 import logging
 
 from fastapi import Request
@@ -60,3 +61,34 @@ async def read_json(request: Request, max_bytes: int) -> dict:
             raise too_big
         chunks.append(chunk)
     return parse_json_body(b"".join(chunks))
+
+
+class BearerAuth:
+    """ASGI middleware: ``Authorization: Bearer <key>`` (or Anthropic's ``x-api-key: <key>``)
+    on every path but /health."""
+
+    OPEN = frozenset({"/health"})
+
+    def __init__(self, app, api_key: str) -> None:
+        self.app = app
+        self.key = api_key.encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["path"] in self.OPEN:
+            return await self.app(scope, receive, send)
+        auth = x_api_key = b""
+        for k, v in scope.get("headers", []):
+            if k == b"authorization":
+                auth = v
+            elif k == b"x-api-key":
+                x_api_key = v
+        scheme, _, token = auth.partition(b" ")
+        if (scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key)) or \
+                (x_api_key and hmac.compare_digest(x_api_key.strip(), self.key)):
+            return await self.app(scope, receive, send)
+        err = APIError(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
+                       code="invalid_api_key")
+        resp = JSONResponse(err.body(), status_code=401,
+                            headers={"WWW-Authenticate": "Bearer"})
+        await resp(scope, receive, send)
+

@@ -7,7 +7,7 @@ from dataclasses import fields
 
 from deepinfer.config import EngineConfig
 from deepinfer.engine import LLMEngine
-from deepinfer.server.app import BackgroundServer
+from deepinfer.server.serve import BackgroundServer
 from deepinfer.server.config import ServerConfig
 
 PAGE = 4

@@ -10,7 +10,7 @@ import openai
 import pytest
 from deepinfer.config import EngineConfig
 from deepinfer.engine import LLMEngine
-from deepinfer.server.app import BackgroundServer
+from deepinfer.server.serve import BackgroundServer
 from deepinfer.server.config import ServerConfig
 from server_helpers import no_lower_tiers
 from tool_model import HERMES_TOOLS_TEMPLATE, TOOLS

@@ -1,0 +1,47 @@
+"""The engine's side of speculative decoding: building the decoder from its config, and
+emitting a step's verified tokens one at a time, so every stop condition is checked per
+token exactly as for plainly sampled ones."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from ..kv.cache_manager import KVCacheManager
+from ..model_runner import ModelRunner
+from ..request import Request
+from .config import SpeculativeConfig
+from .decoder import SpeculativeDecoder
+from .profile import profile_sps
+from .verify_schedule import SpsProfile
+
+
+def build_decoder(sc: SpeculativeConfig, runner: ModelRunner, kv: KVCacheManager, span: int,
+                  max_model_len: int, vocab_size: int) -> SpeculativeDecoder:
+    """The decoder; scheduled mode takes the given steps/s profile or measures one now."""
+    sps = None
+    if sc.scheduled:
+        sps = (SpsProfile(list(sc.sps_tokens), list(sc.sps_steps_per_s or ()))
+               if sc.sps_tokens is not None else
+               profile_sps(runner, kv, min(span, 64), vocab_size))
+    return SpeculativeDecoder(sc, runner, kv, span, max_model_len, sps)
+
+
+def emit_verified(verified: list[tuple[Request, list[int]]], kv: KVCacheManager,
+                  check_stop: Callable[[Request], None], now: float) -> list[Request]:
+    """Append each request's verified tokens up to the one that stops it; returns the
+    requests (finished ones with ``finish_time`` set)."""
+    out = []
+    for req, tokens in verified:
+        for i, tok in enumerate(tokens):
+            if i:  # the token before was an accepted draft token: its KV is in the pages
+                req.num_computed_tokens += 1
+                kv.cache_pages(req)
+            req.output_token_ids.append(tok)
+            if req.first_token_time is None:
+                req.first_token_time = now
+            check_stop(req)
+            if req.is_finished:
+                req.finish_time = now
+                break
+        out.append(req)
+    return out
