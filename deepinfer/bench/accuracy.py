@@ -33,10 +33,11 @@ def tier_scored_logits(engine: LLMEngine, seqs: list[list[int]], start: int) -> 
     tier (L2, or L3 without L2) large enough for the sequences and an empty cache."""
     ps = engine.config.page_size
     full = engine.score(seqs)
-    for (_, cached) in full:
-        if cached:
-            raise ValueError("tier_scored_logits needs an empty cache")
-    ref = [logits[start : len(s) - 1] for (logits, _), s in zip(full, seqs)]
+    # Sequences sharing a prefix join the pages another one computes in the same call (L1,
+    # lossless); a hit reaching past ``start`` means the cache was not empty.
+    if any(cached > start for _, cached in full):
+        raise ValueError("tier_scored_logits needs an empty cache")
+    ref = [logits[start - cached : len(s) - 1 - cached] for (logits, cached), s in zip(full, seqs)]
     engine.kv.evict()  # every page goes down to the tier, encoded with its codec
     out: list[list[torch.Tensor]] = [[] for _ in seqs]
     for k in range(start // ps, max((len(s) - 2) // ps for s in seqs) + 1):
