@@ -20,14 +20,13 @@ import argparse
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
 from core import fastest, random_prompts, timed
 from transformers import AutoModelForCausalLM
 
-from deepinfer.hardware import auto_dtype, cpu_isa
+from deepinfer.hardware import auto_dtype, cpu_isa, lscpu_model
 from deepinfer.llm import LLM
 from deepinfer.loader import default_model_path
 from deepinfer.sampling_params import SamplingParams
@@ -51,12 +50,6 @@ else:
     llm.eval(ids)
 print(time.perf_counter() - t0)
 """
-
-
-def cpu_model() -> str:
-    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    return next((line.split(":", 1)[1].strip() for line in out.splitlines()
-                 if line.startswith("Model name")), cpu_isa().model)
 
 
 def engine_sides(threads: int, kv_gb: float) -> dict[str, dict]:
@@ -179,7 +172,7 @@ def main() -> None:
     hf_dtype = auto_dtype(torch.device("cpu"))
     hf = AutoModelForCausalLM.from_pretrained(first.checkpoint_path, dtype=hf_dtype).eval()
     vocab = first.hf_config.vocab_size
-    res = {"cpu": cpu_model(), "isa": cpu_isa().describe(), "threads": threads, "rounds": args.rounds,
+    res = {"cpu": lscpu_model(), "isa": cpu_isa().describe(), "threads": threads, "rounds": args.rounds,
            "transformers_dtype": str(hf_dtype), "startup": {k: v.engine.startup_summary for k, v in llms.items()}}
     res["prefill"] = [prefill_row(n, llms, hf, peer, gguf, threads, vocab, args.rounds) for n in lengths]
     res["decode"] = [decode_row(b, llms, hf, peer, gguf, threads, vocab, new_tokens, args.rounds)

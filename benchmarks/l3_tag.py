@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -20,18 +18,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from deepinfer.hardware import lscpu_model
 from deepinfer.kv.tiers.disk_store import DiskStore  # noqa: E402
 from deepinfer.kv.tiers.disk_file import PageFormat, page_id  # noqa: E402
 
 PAGE_BYTES = 16 * 30 * 2 * 3 * 64 * 4  # SmolLM2-135M, page 16, fp32
-
-
-def cpu_model() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
-        return next(l.split(":", 1)[1].strip() for l in out.splitlines() if l.startswith("Model name"))
-    except (OSError, subprocess.CalledProcessError, StopIteration):
-        return platform.processor() or "unknown"
 
 
 def best_gbs(fn, nbytes: int, rounds: list[float]) -> None:
@@ -63,7 +54,7 @@ def main() -> None:
                 s = stores[name]
                 best_gbs(lambda: [s.get(k, view=True) for k in keys], PAGE_BYTES * args.files,
                          get[name])
-    print(f"CPU: {cpu_model()}; {args.files} files of {PAGE_BYTES:,} B, best of {args.rounds} "
+    print(f"CPU: {lscpu_model()}; {args.files} files of {PAGE_BYTES:,} B, best of {args.rounds} "
           "interleaved rounds, one thread")
     for name in formats:
         print(f"  {name:14s} tag {max(tag[name]):6.2f} GB/s   DiskStore.get {max(get[name]):6.2f} GB/s")

@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 from pathlib import Path
 
+from deepinfer.hardware import lscpu_model
 from deepinfer.llm import LLM
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.spec.config import SpeculativeConfig
@@ -74,12 +74,6 @@ def modes(method: str) -> dict[str, SpeculativeConfig | None]:
             "scheduled": SpeculativeConfig(method=method, num_tokens=8, scheduled=True)}
 
 
-def cpu_model() -> str:
-    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    return next((line.split(":", 1)[1].strip() for line in out.splitlines()
-                 if line.startswith("Model name")), "unknown")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
@@ -121,7 +115,7 @@ def main() -> None:
                              acceptance=round(a["accepted"] / a["verified"], 3) if a["verified"] else 0.0,
                              accepted_per_step=round(a["accepted"] / a["steps"], 2) if a["steps"] else 0.0,
                              identical_to_off=a["identical"]))
-    cpu = cpu_model()
+    cpu = lscpu_model()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "summary.json").write_text(json.dumps(dict(cpu=cpu, args=vars(args), rows=rows), indent=2))

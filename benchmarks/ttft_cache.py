@@ -29,6 +29,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tiers import drop_page_cache, llm, one_token, random_ids  # noqa: E402
 
+from deepinfer.hardware import lscpu_model  # noqa: E402
+
 REPO = Path(__file__).resolve().parents[1]
 CHUNK = 2048
 
@@ -140,12 +142,6 @@ def markdown(rows: list[dict], cpu: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def cpu_model() -> str:
-    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    return next((l.split(":", 1)[1].strip() for l in out.splitlines() if l.startswith("Model name")),
-                "unknown")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="checkpoint (default: embedded SmolLM2-135M)")
@@ -154,7 +150,7 @@ def main() -> None:
     ap.add_argument("--codecs", default="lossless,fp8,fp4")
     ap.add_argument("--out", default=str(REPO / "results" / "ttft_cache"))
     args = ap.parse_args()
-    cpu = cpu_model()
+    cpu = lscpu_model()
     print(f"CPU: {cpu}", flush=True)
     rows = []
     with tempfile.TemporaryDirectory(prefix="deepinfer-ttft-") as tmp:

@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import tempfile
 from pathlib import Path
 
 import torch
 from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 
+from deepinfer.hardware import lscpu_model
 from deepinfer.llm import LLM
 from deepinfer.parallel.eplb import placement_report
 from deepinfer.sampling_params import SamplingParams
@@ -94,12 +94,6 @@ def summary(rows: list[dict]) -> dict:
                 replayed_per_hit=round(total("replayed") / max(1, len(hits)), 1))
 
 
-def cpu_model() -> str:
-    out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    return next((line.split(":", 1)[1].strip() for line in out.splitlines()
-                 if line.startswith("Model name")), "unknown")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--conversations", type=int, default=4)
@@ -115,7 +109,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = tiny_v4(Path(tmp), args.experts)
         save_tokenizer(path, 512)
-        result: dict = {"cpu": cpu_model(), "modes": {}}
+        result: dict = {"cpu": lscpu_model(), "modes": {}}
         for mode in args.modes.split(","):
             llm = LLM(str(path), page_size=16, max_num_seqs=4, progress=False, enable_disk_cache=False,
                       host_cache_gb=0, window_reuse=mode)

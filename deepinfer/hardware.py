@@ -8,6 +8,7 @@ slower than fp32 itself, so auto picks fp32 there. On CUDA auto picks bf16.
 
 from __future__ import annotations
 
+import subprocess
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -64,3 +65,14 @@ def describe_device(device: torch.device) -> str:
     if device.type == "cpu":
         return f"CPU {cpu_isa().describe()}"
     return device.type
+
+
+def lscpu_model() -> str:
+    """``lscpu``'s model name, printed with every benchmark result (the CPU differs between
+    machines, and figures are only comparable on one)."""
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return cpu_isa().model
+    return next((line.split(":", 1)[1].strip() for line in out.splitlines()
+                 if line.startswith("Model name")), cpu_isa().model)
