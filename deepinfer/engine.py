@@ -245,17 +245,21 @@ class LLMEngine:
                  logits: torch.Tensor | None) -> list[Request]:
         """Apply a forward pass to its requests: cache their pages, sample, check stops. An
         exception in one request's part fails that request alone."""
+        prefilled: list[Request] = []  # prefill_only requests whose prompt is done: no sampling
         for req, n in items:
             try:
                 self.kv.stats.computed_prompt_tokens += max(
                     0, min(n, req.num_prompt_tokens - req.num_computed_tokens))
                 req.num_computed_tokens += n
                 self.kv.cache_pages(req)
+                if req.params.prefill_only and req.num_computed_tokens >= req.num_tokens:
+                    self.scheduler.finish(req, "prefill")
+                    prefilled.append(self.requests.pop(req.request_id, req))
             except Exception as e:  # noqa: BLE001
                 self.scheduler.fail(req, e)
         rows = [i for i, r in enumerate(sampled) if not r.is_finished]
         if not rows:
-            return []
+            return prefilled
         if len(rows) < len(sampled):
             sampled = [sampled[i] for i in rows]
             logits = logits[torch.tensor(rows, device=logits.device)]
@@ -275,7 +279,7 @@ class LLMEngine:
             if req.is_finished:
                 req.finish_time = now
                 self.requests.pop(req.request_id, None)
-        return [r for r in sampled if r.finish_reason != "error"]
+        return prefilled + [r for r in sampled if r.finish_reason != "error"]
 
     def _append(self, req: Request, i: int, result: SampleResult, now: float) -> None:
         tok = result.tokens[i]

@@ -109,7 +109,7 @@ class ModelRunner:
         q_end = 0
         for r, n in decodes + prefills:
             q_end += n
-            if r.num_computed_tokens + n == r.num_tokens:
+            if r.num_computed_tokens + n == r.num_tokens and not r.params.prefill_only:
                 logit_idx.append(q_end - 1)
                 sampled.append(r)
         dev = self.device

@@ -29,6 +29,9 @@ class SamplingParams:
     n: int = 1  # samples returned; they share the prompt's KV (one prefill)
     best_of: int | None = None  # samples drawn (>= n); the n of highest cumulative logprob return
     structured_output: StructuredOutput | None = None  # grammar the output must follow
+    # Compute the prompt's KV and stop before the first token (finish reason "prefill"): a
+    # prefill worker's request (server/pd.py); nothing is sampled.
+    prefill_only: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -76,6 +79,7 @@ class SamplingParams:
             ("best_of", self.best_of is None or (is_int(self.best_of)
                                                  and self.best_of >= self.n),
              "must be an integer >= n"),
+            ("prefill_only", isinstance(self.prefill_only, bool), "must be a boolean"),
             ("structured_output", self.structured_output is None
              or isinstance(self.structured_output, StructuredOutput),
              "must be a StructuredOutput"),

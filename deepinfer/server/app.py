@@ -38,6 +38,7 @@ from .boundary import BearerAuth, CatchAll, read_json
 from .config import ServerConfig, generation_defaults
 from .metrics import render
 from .outputs import Admitted, Delta, Submission, merge_deltas
+from .pd import PrefillWorker, check_role, prefill_counts
 from .protocol import APIError, ParsedRequest, get_str, parse_request
 from .tokenize import detokenize, tokenize
 from .tools import ToolCallStream, ToolOutput
@@ -105,9 +106,11 @@ class Server:
         if engine.config.model:
             self.model_names.add(str(engine.config.model))
         self.created = int(time.time())
+        check_role(self.config, engine)
+        self.prefill_worker = PrefillWorker(self) if self.config.role == "prefill" else None
 
     # ------------------------------------------------------------------ helpers
-    def _check_model(self, model: str | None) -> None:
+    def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.model_names:
             raise APIError(404, f"The model `{model}` does not exist; this server serves "
                                 f"`{self.model_name}`.", param="model", code="model_not_found")
@@ -120,11 +123,13 @@ class Server:
 
     # ------------------------------------------------------------------ completions
     async def completion(self, request: Request, kind: str) -> Response:
+        if self.prefill_worker is not None:  # prefill here, decode on a decode worker
+            return await self.prefill_worker.public(request, kind)
         parsed = parse_request(await read_json(request, self.config.max_body_bytes), kind,
                                self.defaults)
-        self._check_model(parsed.model)
+        self.check_model(parsed.model)
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
-        sub = Submission(rid, parsed)
+        sub = Submission(rid, parsed, prefill=prefill_counts(request))
         adm, q = await self.async_engine.submit(sub)
         headers = self._headers(rid, adm)
         watcher = asyncio.create_task(self.watch_disconnect(request, q, rid))
@@ -148,7 +153,7 @@ class Server:
         return _watch_disconnect(request, q, lambda: self.async_engine.abort(rid))
 
     @staticmethod
-    async def _next(q: asyncio.Queue, merge: bool = True) -> Delta | None:
+    async def next_delta(q: asyncio.Queue, merge: bool = True) -> Delta | None:
         """The next delta, merged with any others already queued (one choice only: deltas of
         several interleave); None once the client left."""
         d = await q.get()
@@ -170,7 +175,7 @@ class Server:
         done = False
         try:
             while usage is None:  # the last delta of the request carries its usage
-                d = await self._next(q, merge=n == 1)
+                d = await self.next_delta(q, merge=n == 1)
                 if d is None:  # client gone: nobody reads the answer
                     return Response(status_code=499)
                 if d.error:
@@ -240,7 +245,7 @@ class Server:
                 for i in range(n):
                     yield _sse(chunk("", None, None, i, role=True))
             while True:
-                d = await self._next(q, merge=n == 1)
+                d = await self.next_delta(q, merge=n == 1)
                 if d is None:
                     return
                 if d.error:
@@ -276,11 +281,13 @@ class Server:
     async def messages(self, request: Request) -> Response:
         """``POST /v1/messages`` (``anthropic.py``): the chat path, Anthropic-shaped."""
         try:
+            if self.prefill_worker is not None:
+                return await self.prefill_worker.public(request, "messages")
             parsed = parse_messages_request(
                 await read_json(request, self.config.max_body_bytes), self.defaults)
-            self._check_model(parsed.model)
+            self.check_model(parsed.model)
             rid = f"msg_{uuid.uuid4().hex[:24]}"
-            sub = Submission(rid, parsed)
+            sub = Submission(rid, parsed, prefill=prefill_counts(request))
             adm, q = await self.async_engine.submit(sub)
         except APIError as e:
             return error_response(e)
@@ -306,7 +313,7 @@ class Server:
         done = False
         try:
             while True:
-                d = await self._next(q)
+                d = await self.next_delta(q)
                 if d is None:
                     return
                 done = d.final
@@ -325,14 +332,14 @@ class Server:
         if kind == "completion" and "prompt" not in body:
             raise APIError(400, "give 'messages' (chat) or 'prompt' (completion)", param="prompt")
         parsed = parse_request(body, kind, self.defaults)
-        self._check_model(parsed.model)
+        self.check_model(parsed.model)
         out = await self.async_engine.call(lambda: self.async_engine.explain(parsed))
         return JSONResponse({**out, "model": self.model_name})
 
     async def on_engine(self, request: Request, fn) -> Response:
         """Answer ``fn(async_engine, body)``, run on the engine thread."""
         body = await read_json(request, self.config.max_body_bytes)
-        self._check_model(get_str(body, "model"))
+        self.check_model(get_str(body, "model"))
         return JSONResponse(await self.async_engine.call(lambda: fn(self.async_engine, body)))
 
     async def metrics(self) -> Response:
@@ -353,6 +360,8 @@ class Server:
         async def lifespan(app: FastAPI):
             self.async_engine.start(asyncio.get_running_loop())
             yield
+            if self.prefill_worker is not None:
+                await self.prefill_worker.close()
             # uvicorn has already waited for open connections (up to its graceful timeout)
             await asyncio.to_thread(self.async_engine.shutdown, self.config.shutdown_timeout_s)
 
@@ -387,7 +396,7 @@ class Server:
 
         @app.get("/v1/models/{model_id:path}")
         async def model(model_id: str) -> dict:
-            self._check_model(model_id)
+            self.check_model(model_id)
             return self._model_card()
 
         @app.post("/v1/chat/completions")
@@ -414,6 +423,9 @@ class Server:
             @app.post("/v1/cache/explain")
             async def cache_explain(request: Request) -> Response:
                 return await self.explain(request)
+
+        if self.prefill_worker is not None:
+            app.post("/internal/prefill")(self.prefill_worker.internal)
 
         @app.get("/metrics")
         async def metrics() -> Response:

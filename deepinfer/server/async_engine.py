@@ -231,7 +231,7 @@ class AsyncEngine:
             pass
 
     # ------------------------------------------------------------------ commands
-    def _build(self, p: ParsedRequest) -> BuiltPrompt:
+    def build_prompt(self, p: ParsedRequest) -> BuiltPrompt:
         if p.kind == "chat":
             if p.tools.tools and self.tool_parser is None:
                 raise APIError(400, "tools: the model's chat template does not render tools; "
@@ -257,7 +257,7 @@ class AsyncEngine:
             if len(eng.requests) >= self.capacity:
                 self.metrics.rejected_queue_full += 1
                 raise QueueFull(self.config.retry_after_s, self.capacity)
-            built = self._build(p)
+            built = sub.prompt or self.build_prompt(p)
             params = p.params
             if p.tools.forced:  # tool_choice required / named: the reply is calls, by grammar
                 schema = p.tools.call_schema(self.tool_parser.ARGS_KEY)
@@ -385,7 +385,7 @@ class AsyncEngine:
         for pos, mark in zip(live.breakpoints, p.cache_breakpoints):
             self.pins.pin(req.page_hashes, pos, mark.ttl_s)
         tools = self._parse_tool_calls(p, req.request_id, out.text)
-        if p.kind == "chat" and live.prompt.key_state is not None:
+        if p.kind == "chat" and live.prompt.key_state is not None and req.output_token_ids:
             message = {"role": "assistant", "content": tools.content if tools else out.text}
             if tools and tools.calls:
                 message["tool_calls"] = [c.to_message() for c in tools.calls]
@@ -438,6 +438,6 @@ class AsyncEngine:
     def explain(self, p: ParsedRequest) -> dict:
         """Body of POST /v1/cache/explain; run on the engine thread via ``call``."""
         try:
-            return self.explainer.explain(self._build(p), p.cache_salt)
+            return self.explainer.explain(self.build_prompt(p), p.cache_salt)
         except RequestError as e:
             raise APIError.from_request_error(e, {"prompt": p.prompt_field}) from None

@@ -9,7 +9,7 @@ import argparse
 import json
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 log = logging.getLogger("deepinfer.server")
@@ -17,6 +17,7 @@ log = logging.getLogger("deepinfer.server")
 # generation_config.json fields that become request defaults (HF name -> request field)
 GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
                        "min_p": "min_p", "max_new_tokens": "max_tokens"}
+ROLES = ("both", "prefill", "decode")
 
 
 @dataclass
@@ -46,8 +47,16 @@ class ServerConfig:
     # Request defaults: "auto" (the model's generation_config.json), "vllm" (built-in
     # defaults) or a folder holding a generation_config.json.
     generation_config: str = "auto"
+    # Prefill/decode disaggregation (server/pd.py): "both" (co-located), "prefill" (computes
+    # prompts into the shared store, hands requests to ``decode_workers``), "decode".
+    role: str = "both"
+    decode_workers: list[str] = field(default_factory=list)  # base URLs, round-robin
 
     def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        if self.decode_workers and self.role != "prefill":
+            raise ValueError("--decode-worker is for --role prefill")
         if self.max_queue < 0:
             raise ValueError("max_queue must be >= 0")
         if self.max_body_bytes < 1:
@@ -77,6 +86,13 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shutdown-timeout", type=float, default=d.shutdown_timeout_s,
                    help="seconds to let running requests finish on shutdown")
     p.add_argument("--log-level", default=d.log_level)
+    p.add_argument("--role", default=d.role, choices=ROLES,
+                   help="prefill/decode disaggregation: prefill (compute prompts into the "
+                        "shared --kv-store and hand them over), decode (serve with hits from "
+                        "the store), both (co-located, the default)")
+    p.add_argument("--decode-worker", action="append", default=[], metavar="URL",
+                   help="--role prefill: decode worker to forward requests to after their "
+                        "prefill (repeatable: round-robin)")
     from .tools.parsers import PARSERS
 
     p.add_argument("--chat-template", default=None,
@@ -128,4 +144,5 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
                         shutdown_timeout_s=args.shutdown_timeout, log_level=args.log_level,
                         tool_call_parser=args.tool_call_parser,
                         chat_template=read_chat_template(args.chat_template),
-                        generation_config=args.generation_config)
+                        generation_config=args.generation_config, role=args.role,
+                        decode_workers=args.decode_worker)

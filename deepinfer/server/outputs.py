@@ -17,10 +17,11 @@ class Usage:
     cached_tokens: int
     cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
     cache_creation_tokens: int = 0  # computed prompt tokens now cached up to a cache_control mark
+    prefill_worker: dict[str, int | float] | None = None  # the prompt's prefill elsewhere (pd.py)
 
     def to_dict(self) -> dict:
         hit = self.cached_tokens
-        return {
+        out = {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
             "total_tokens": self.prompt_tokens + self.completion_tokens,
@@ -29,6 +30,9 @@ class Usage:
             "prompt_tokens_details": {"cached_tokens": hit,  # OpenAI
                                       "cached_tokens_by_tier": dict(self.cached_tokens_by_tier)},
         }
+        if self.prefill_worker is not None:
+            out["prefill_worker"] = dict(self.prefill_worker)
+        return out
 
 
 @dataclass
@@ -70,6 +74,8 @@ class Submission:
     request_id: str
     parsed: ParsedRequest
     arrival: float = field(default_factory=time.monotonic)
+    prompt: BuiltPrompt | None = None  # built already (a prefill worker's request: server/pd.py)
+    prefill: dict[str, int | float] | None = None  # the prefill worker's counts (decode role)
 
 
 class QueueFull(APIError):

@@ -215,6 +215,16 @@ class RemoteStore(PageStore):
             return True
         return False
 
+    def contains_many(self, keys: list[str]) -> list[bool]:
+        """Presence of each key, in one round trip (all False while the store is down)."""
+        if not keys:
+            return []
+        found = self._call("exists", len(keys), lambda: self.client.exists(keys))
+        if not found:
+            return [False] * len(keys)
+        self._remember([k for k, f in zip(keys, found) if f])
+        return [bool(f) for f in found]
+
     def known(self, key: str) -> bool:
         with self._lock:
             return key in self._known

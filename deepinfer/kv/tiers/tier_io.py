@@ -333,6 +333,26 @@ class TierIO(TierBackend):
         if fut is not None:
             fut.result()  # written meanwhile (or failed: then the read misses)
 
+    def wait_written(self, keys: list[str]) -> None:
+        """Wait for the queued L3 writes of ``keys`` (any thread)."""
+        for k in keys:
+            self._wait_written(k)
+
+    def publish(self, pages: list[int], keys: list[str], ids: list[PageId]
+                ) -> Callable[[], list[bool]]:
+        """Write L1 ``pages`` (files ``keys`` holding ``ids``) to the networked store, and
+        wait for its acks: a prefill worker's hand-over (``server/pd.py``). The data is
+        captured now (engine thread); the call returned encodes, puts and answers per page
+        whether the store took it (any thread, blocking)."""
+        assert self.remote is not None
+        remote, data, ev = self.remote, *self._capture(pages)
+
+        def put() -> list[bool]:
+            rows = self._encode_on_side(self.disk_codec, data, ev).cpu().numpy()
+            return remote.put_many([(k, rows[i].tobytes(), self.page_size, ids[i])
+                                    for i, k in enumerate(keys)])
+        return put
+
     def wait(self, timeout: float | None = None) -> bool:
         return self.loader.wait(timeout)
 
