@@ -161,14 +161,15 @@ class KVCacheManager:
         self.tree.unlock(job.locked)
         self._jobs.discard(job)
 
-    def _apply_load(self, req: Request) -> list[int]:
+    def _apply_load(self, req: Request) -> tuple[list[int], int]:
         """Adopt a finished load's pages (already in L1) into the tree; returns pages adopted
-        per source tier."""
+        per source tier, and how many of them a networked store served."""
         assert self.tiers is not None and self.tree is not None
         job = req.kv_load
         assert job is not None and job.done
         req.kv_load = None
         adopted = [0] * NUM_TIERS
+        shared = 0
         n = job.num_loaded
         if n:
             pages, job.dest = job.dest[:n], job.dest[n:]  # the rest is freed with the job
@@ -181,6 +182,7 @@ class KVCacheManager:
             for i, p in enumerate(pages):
                 if kept[job.start + i] == p:
                     adopted[job.page_tiers[i]] += 1
+                    shared += i < len(job.page_shared) and job.page_shared[i]
                 else:  # someone brought this page back meanwhile: keep theirs
                     self.allocator.free([p])
             if job.probe:
@@ -198,7 +200,7 @@ class KVCacheManager:
             s.load_failures += 1
             if job.failed_at < len(job.sources) and job.sources[job.failed_at][0] == DISK:
                 self.tiers.forget_disk(job.source_nodes[job.failed_at])
-        return adopted
+        return adopted, shared
 
     # ------------------------------------------------------------------ shared prefixes in flight
     def joins_computing(self, req: Request) -> bool:
@@ -245,7 +247,7 @@ class KVCacheManager:
         if first:
             self.stats.query_tokens += req.num_prompt_tokens
         matched = 0
-        adopted = [0] * NUM_TIERS
+        adopted, shared = [0] * NUM_TIERS, 0
         if self.tree is not None:
             if self.tiers is not None:
                 if req.kv_load is None and not req.kv_prefetched:
@@ -253,7 +255,7 @@ class KVCacheManager:
                 if req.kv_load is not None:
                     while not req.kv_load.done:
                         self.tiers.backend.wait(0.05)
-                    adopted = self._apply_load(req)
+                    adopted, shared = self._apply_load(req)
             hashes = self._lookup_hashes(req)
             m = self.tree.match(hashes, count_hit=not req.kv_hit_counted)
             req.kv_hit_counted = True
@@ -281,6 +283,7 @@ class KVCacheManager:
                 by_tier = {TIER_NAMES[DEVICE]: req.num_cached_tokens - host - disk,
                            TIER_NAMES[HOST]: host, TIER_NAMES[DISK]: disk}
             req.cached_tokens_by_tier = by_tier
+            req.store_cached_tokens = shared * self.page_size  # (part of the disk tier's)
             self.stats.hit_tokens += req.num_cached_tokens
             for t, v in by_tier.items():
                 self.stats.hit_tokens_by_tier[t] += v

@@ -66,7 +66,8 @@ def account(live: Live, reason: str, metrics: ServerMetrics, page_size: int) -> 
     hit = min(req.num_cached_tokens or 0, n_prompt)
     usage = Usage(n_prompt, len(req.output_token_ids), hit,
                   {k: v for k, v in req.cached_tokens_by_tier.items() if v},
-                  creation_tokens(live.breakpoints, page_size, n_prompt, hit), live.sub.prefill)
+                  creation_tokens(live.breakpoints, page_size, n_prompt, hit), live.sub.prefill,
+                  req.store_cached_tokens)
     m.finished[reason] = m.finished.get(reason, 0) + 1
     m.prompt_tokens += n_prompt if req.sample_index == 0 else 0  # samples share the prompt
     m.generation_tokens += usage.completion_tokens

@@ -18,6 +18,7 @@ class Usage:
     cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
     cache_creation_tokens: int = 0  # computed prompt tokens now cached up to a cache_control mark
     prefill_worker: dict[str, int | float] | None = None  # the prompt's prefill elsewhere (pd.py)
+    store_cached_tokens: int = 0  # of the disk tier's, those the networked store served
 
     def to_dict(self) -> dict:
         hit = self.cached_tokens
@@ -28,7 +29,8 @@ class Usage:
             "prompt_cache_hit_tokens": hit,  # DeepSeek
             "prompt_cache_miss_tokens": self.prompt_tokens - hit,
             "prompt_tokens_details": {"cached_tokens": hit,  # OpenAI
-                                      "cached_tokens_by_tier": dict(self.cached_tokens_by_tier)},
+                                      "cached_tokens_by_tier": dict(self.cached_tokens_by_tier),
+                                      "cached_tokens_from_store": self.store_cached_tokens},
         }
         if self.prefill_worker is not None:
             out["prefill_worker"] = dict(self.prefill_worker)

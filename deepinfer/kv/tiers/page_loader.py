@@ -78,6 +78,7 @@ class PageLoader:
         ids = ((job.source_ids or [None] * len(job.sources))
                + (job.probe_ids or [None] * len(job.probe)))[: len(job.dest)]
         tiers: list[int] = []
+        shared: list[bool] = []
         try:
             if self.cuda:
                 self._side.wait_event(ready)
@@ -88,8 +89,10 @@ class PageLoader:
                     j += 1
                 t0 = time.perf_counter()
                 srcs, dest = [s for _, s in pages[i:j]], job.dest[i:j]
-                n = (self._load_host(srcs, dest) if tier == HOST
-                     else self._load_disk(srcs, ids[i:j], dest, job))
+                got = ([False] * self._load_host(srcs, dest) if tier == HOST
+                       else self._load_disk(srcs, ids[i:j], dest, job))
+                n = len(got)
+                shared += got
                 job.seconds_by_tier[tier] += time.perf_counter() - t0
                 job.bytes_by_tier[tier] += n * (self.host_page_nbytes if tier == HOST
                                                 else self.disk_page_nbytes)
@@ -103,13 +106,14 @@ class PageLoader:
             log.exception("KV load failed")
             with self._cv:
                 self.counters["load_errors"] += 1
-            tiers = []
+            tiers, shared = [], []
             if job.failed_at is None and job.sources:
                 job.failed_at = 0
         finally:
             if self.cuda:  # the main thread reads (or frees) the pages on its own stream
                 self._side.synchronize()
         job.page_tiers = tiers
+        job.page_shared = shared
         job.num_loaded = len(tiers)
         job.seconds = time.perf_counter() - job.t_start
         with self._cv:
@@ -127,11 +131,11 @@ class PageLoader:
         return len(slots)
 
     def _load_disk(self, keys: list[str], ids: list[PageId | None], dest: list[int],
-                   job: LoadJob) -> int:
+                   job: LoadJob) -> list[bool]:
         """Read L3 pages into ``dest`` on up to ``num_readers`` reader threads, each taking the
         next ``READ_CHUNK`` pages in chain order; the first miss stops the pages after it.
-        -> leading pages in place."""
-        done: dict[int, tuple[int, int]] = {}  # chunk start -> (pages in place, chunk length)
+        -> per leading page in place: whether a networked store served it."""
+        done: dict[int, tuple[list[bool], int]] = {}  # chunk start -> (pages in place, length)
         nxt, stop = [0], [len(keys)]
         lock = threading.Lock()
 
@@ -144,40 +148,42 @@ class PageLoader:
                     nxt[0] = j = min(i + self.READ_CHUNK, stop[0])
                 ok = self._read_pages(keys[i:j], ids[i:j], dest[i:j])
                 done[i] = (ok, j - i)
-                if ok < j - i:
+                if len(ok) < j - i:
                     with lock:
-                        stop[0] = min(stop[0], i + ok)
+                        stop[0] = min(stop[0], i + len(ok))
 
         for f in [self._readers.submit(reader) for _ in range(min(self.num_readers, len(keys)))]:
             f.result()
-        n = 0
-        while n in done:
-            ok, length = done[n]
-            n += ok
-            if ok < length:
+        out: list[bool] = []
+        while len(out) in done:
+            ok, length = done[len(out)]
+            out += ok
+            if len(ok) < length:
                 break
-        return n
+        return out
 
-    def _read_pages(self, keys: list[str], ids: list[PageId | None], dest: list[int]) -> int:
+    def _read_pages(self, keys: list[str], ids: list[PageId | None], dest: list[int]
+                    ) -> list[bool]:
         """Consecutive L3 pages into L1 pages ``dest``: each straight into its buffers when
         lossless in host memory, else into this thread's staging rows, decoded together.
-        -> leading pages in place (a failure stops the chunk)."""
+        -> per leading page in place (a failure stops the chunk): from a networked store?"""
         assert self.store is not None
-        n = 0
+        got: list[bool] = []
         try:
             if self.direct_reads:
                 for key, pid, page in zip(keys, ids, dest):
                     self.wait_written(key)
                     if not self.store.read_into(key, self.transfer.page_views(page), pid):
                         break
-                    n += 1
-                return n
+                    got.append(self.store.last_read_shared())
+                return got
             rows = self._staging_rows()
             for key, pid in zip(keys, ids):
                 self.wait_written(key)
-                if not self.store.read_into(key, [memoryview(rows[n].numpy())], pid):
+                if not self.store.read_into(key, [memoryview(rows[len(got)].numpy())], pid):
                     break
-                n += 1
+                got.append(self.store.last_read_shared())
+            n = len(got)
             if n:
                 with torch.cuda.stream(self._side) if self.cuda else contextlib.nullcontext():
                     dev = rows[:n].to(self.device)  # synchronous: the staging rows are reused
@@ -187,7 +193,7 @@ class PageLoader:
             log.exception("L3 pages %s... could not be loaded", keys[0])
             with self._cv:
                 self.counters["load_errors"] += 1
-        return n
+        return got
 
     def _staging_rows(self) -> torch.Tensor:
         """This reader thread's ``READ_CHUNK`` page rows (pinned on CUDA), made once."""

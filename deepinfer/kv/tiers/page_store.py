@@ -25,6 +25,11 @@ class PageStore(ABC):
     """Encoded pages by key. ``where``: the directory or URL, for stats and logs."""
 
     where: str
+    shared = False  # a networked store shared by engines (its hits are reported apart)
+
+    def last_read_shared(self) -> bool:
+        """Whether this thread's last successful ``read_into`` came from a networked store."""
+        return self.shared
 
     @abstractmethod
     def put(self, key: str, payload: bytes, token_count: int, page: PageId | None = None) -> bool:

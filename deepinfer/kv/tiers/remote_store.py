@@ -63,6 +63,8 @@ class RemoteStore(PageStore):
     """Checksummed page bytes in a ``KVClient``'s store. ``max_known``: how many keys this
     process remembers having written or read (``known``)."""
 
+    shared = True
+
     def __init__(self, client: KVClient, namespace: str, *, secret: bytes | None = None,
                  retry_s: float = 5.0, timeout_s: float = 2.0, max_known: int = 1 << 20,
                  threads: int = 4) -> None:
@@ -245,6 +247,10 @@ class RemoteStore(PageStore):
             pass
 
 
+class _LastRead(threading.local):
+    shared = False  # per reader thread: whether its last read came from the remote store
+
+
 class LayeredStore(PageStore):
     """A local directory in front of a remote store: pages written to both, read from the
     directory first. ``stats()`` is the directory's; the remote keeps its own."""
@@ -253,6 +259,7 @@ class LayeredStore(PageStore):
         self.local = local
         self.remote = remote
         self.where = f"{local.where} + {remote.where}"
+        self._read = _LastRead()
 
     def put(self, key: str, payload: bytes, token_count: int, page: PageId | None = None) -> bool:
         return self.put_many([(key, payload, token_count, page)])[0]
@@ -274,9 +281,14 @@ class LayeredStore(PageStore):
         return self.remote.get(key, view, expect)
 
     def read_into(self, key: str, dest: list[memoryview], expect: PageId | None = None) -> bool:
+        self._read.shared = False
         if (self.local.known(key) or self.local.contains(key)) and self.local.read_into(key, dest, expect):
             return True
-        return self.remote.read_into(key, dest, expect)
+        self._read.shared = self.remote.read_into(key, dest, expect)
+        return self._read.shared
+
+    def last_read_shared(self) -> bool:
+        return self._read.shared
 
     def contains(self, key: str) -> bool:
         return self.local.contains(key) or self.remote.contains(key)
