@@ -3,6 +3,7 @@ import os
 import pytest
 import torch
 
+from store_services import SERVICES
 from tiny_checkpoints import make_checkpoint, tiny_llama_config
 
 
@@ -45,3 +46,12 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module", params=sorted(SERVICES))
+def store_service(request, tmp_path_factory):
+    """A real Mooncake Store or Redis on loopback (each test runs against both); the services
+    are in store_services.py."""
+    svc = SERVICES[request.param](tmp_path_factory.mktemp(f"{request.param}-logs")).start()
+    yield svc
+    svc.kill()

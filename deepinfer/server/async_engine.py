@@ -42,6 +42,7 @@ from .live import Live, account, deliver, group_end, token_logprobs
 from .metrics import ServerMetrics
 from .outputs import Admitted, Delta, QueueFull, Submission, Usage
 from .prompts import BuiltPrompt, PromptBuilder
+from .shared_replies import SharedReplies
 from .protocol import APIError, ParsedRequest
 from .tools import ToolOutput, number_calls, resolve_parser
 
@@ -55,8 +56,10 @@ class AsyncEngine:
         self.engine = engine
         self.config = config or ServerConfig()
         self.tokenizer = engine.tokenizer
+        remote = engine.tiers.remote if engine.tiers is not None else None
         self.builder = PromptBuilder(engine.tokenizer, engine.eos_token_ids,
-                                     self.config.reply_cache_tokens)
+                                     self.config.reply_cache_tokens,
+                                     SharedReplies(remote) if remote is not None else None)
         self.tool_parser = resolve_parser(self.config.tool_call_parser,
                                           engine.tokenizer.chat_template)
         self.metrics = ServerMetrics()

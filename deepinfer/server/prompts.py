@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 from ..chat import encode_text, extend_prompt, render_text
 from ..kv.radix import common_len
+from .shared_replies import SharedReplies
 
 _MAX_LOOKBACK = 8  # assistant messages looked up, newest first
 
@@ -47,10 +48,12 @@ class BuiltPrompt:
 
 
 class ReplyCache:
-    """LRU map: reply key -> (prompt ids, reply ids), bounded by the tokens it holds."""
+    """LRU map: reply key -> (prompt ids, reply ids), bounded by the tokens it holds; with
+    ``shared``, records also go to (and are looked up in) the networked store."""
 
-    def __init__(self, max_tokens: int) -> None:
+    def __init__(self, max_tokens: int, shared: SharedReplies | None = None) -> None:
         self.max_tokens = max_tokens
+        self.shared = shared
         self.tokens = 0
         self._d: OrderedDict[bytes, tuple[array, array]] = OrderedDict()
 
@@ -58,6 +61,11 @@ class ReplyCache:
         return len(self._d)
 
     def put(self, key: bytes, prompt_ids: list[int], reply_ids: list[int]) -> None:
+        if self.shared is not None:
+            self.shared.put(key, prompt_ids, reply_ids)
+        self._put_local(key, prompt_ids, reply_ids)
+
+    def _put_local(self, key: bytes, prompt_ids: list[int], reply_ids: list[int]) -> None:
         if key in self._d:
             self._drop(key)
         p, r = array("i", prompt_ids), array("i", reply_ids)  # 4 bytes a token
@@ -69,7 +77,10 @@ class ReplyCache:
     def get(self, key: bytes) -> tuple[list[int], list[int]] | None:
         v = self._d.get(key)
         if v is None:
-            return None
+            rec = self.shared.get(key) if self.shared is not None else None
+            if rec is not None:
+                self._put_local(key, *rec)
+            return rec
         self._d.move_to_end(key)
         return v[0].tolist(), v[1].tolist()
 
@@ -97,10 +108,11 @@ def reply_key(key_state, message: dict) -> bytes:
 
 
 class PromptBuilder:
-    def __init__(self, tokenizer, end_ids, max_tokens: int) -> None:
+    def __init__(self, tokenizer, end_ids, max_tokens: int,
+                 shared: SharedReplies | None = None) -> None:
         self.tokenizer = tokenizer
         self.end_ids = set(end_ids)
-        self.replies = ReplyCache(max_tokens)
+        self.replies = ReplyCache(max_tokens, shared)
 
     # ------------------------------------------------------------------ building
     def completion(self, prompt: str | list[int]) -> BuiltPrompt:

@@ -217,6 +217,25 @@ class RemoteStore(PageStore):
             return True
         return False
 
+    def put_record(self, key: str, payload: bytes) -> bool:
+        """Store a small value that is no page (a chat reply record:
+        ``server/shared_replies.py``) in the pages' format, so it is checked alike; it is not
+        counted with the pages. True once the store acknowledged it."""
+        head = self.format.head(key, len(payload), 0, None)
+        value = head + payload + self.format.tag(head, payload)
+        return self._call("put", 1, lambda: self.client.put([key], [value]) or True) is not None
+
+    def get_record(self, key: str) -> bytes | None:
+        """A value ``put_record`` stored, if present and intact."""
+        got = self._call("get", 1, lambda: self.client.get([key]))
+        if not got or got[0] is None:
+            return None
+        try:
+            return bytes(self.format.parse(key, got[0])[1])
+        except BadFile as bad:
+            log.warning("KV store %s: record %s unusable (%s), ignored", self.where, key, bad)
+            return None
+
     def contains_many(self, keys: list[str]) -> list[bool]:
         """Presence of each key, in one round trip (all False while the store is down)."""
         if not keys:

@@ -1,0 +1,239 @@
+"""Prefill/decode disaggregation with real processes on loopback: a prefill worker
+(``--role prefill --decode-worker URL``) and a decode worker (``--role decode``, no local
+directory: its L3 is the store) over a real Mooncake Store or Redis, against a co-located
+``both`` server. Greedy outputs are the same, streamed or not, over multi-turn chats; the
+decode side's usage says exactly where its prompt came from; a client that leaves mid-stream
+ends the request on the decode worker; a store killed mid-run costs recomputation, no error."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+from server_helpers import start_server
+
+REPO = Path(__file__).resolve().parents[2]
+PS = 4  # page size of every server here
+TURNS = 3
+USERS = [  # three conversations, three turns each (all within the tiny model's 512 tokens)
+    ["Prefix caching reuses the key value cache of earlier requests in a conversation. "
+     "Explain it to me.", "Why does it save compute?", "Thanks, and what about disks?"],
+    ["The quick brown fox jumps over the lazy dog. Caching saves compute. Tell me a story "
+     "about a fox.", "Make it shorter.", "Now a title for it."],
+    ["hello world how are you today? I am fine, thanks. 0 1 2 3 4 5 6 7 8 9 a b c d e f g h",
+     "Count again, please.", "And backwards?"],
+]
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Worker:
+    """``deepinfer serve`` in its own process."""
+
+    def __init__(self, tiny_llama: Path, log: Path, *args: str) -> None:
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = {**os.environ, "OMP_NUM_THREADS": "1",
+               "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        self.log = log
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "deepinfer.cli", "serve", str(tiny_llama), "--port",
+             str(self.port), "--page-size", str(PS), "--num-pages", "1024", "--max-model-len",
+             "512", "--host-cache-gb", "0", "--threads", "1", "--log-level", "warning",
+             "--generation-config", "vllm", *args],
+            env=env, stdout=log.open("ab"), stderr=subprocess.STDOUT)
+
+    def wait_ready(self, timeout: float = 180.0) -> Worker:
+        t0 = time.monotonic()
+        while True:
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            if self.proc.poll() is not None or time.monotonic() - t0 > timeout:
+                self.stop()
+                raise RuntimeError(f"worker did not start: {self.log.read_text()[-3000:]}")
+            time.sleep(0.2)
+
+    def metric(self, name: str) -> float:
+        text = httpx.get(self.url + "/metrics", timeout=10).text
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith(f"deepinfer:{name}"))
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(30)
+
+
+@pytest.fixture(scope="module")
+def colocated(tiny_llama):
+    """The reference: one ``both`` server, local tiers only."""
+    srv = start_server(tiny_llama, engine_kw={"enable_disk_cache": False, "host_cache_gb": 0})
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def pd(store_service, tiny_llama, tmp_path_factory):
+    """A decode worker (its L3 is the store) and a prefill worker forwarding to it."""
+    d = tmp_path_factory.mktemp("pd")
+    store = ["--kv-store", store_service.url] + [
+        a for k, v in store_service.options.items() for a in ("--kv-store-option", f"{k}={v}")]
+    decode = Worker(tiny_llama, d / "decode.log", "--role", "decode", "--no-disk-cache",
+                    *store)
+    prefill = Worker(tiny_llama, d / "prefill.log", "--role", "prefill", "--decode-worker",
+                     decode.url, "--disk-cache-dir", str(d / "prefill-l3"), *store)
+    try:
+        yield prefill.wait_ready(), decode.wait_ready()
+    finally:
+        prefill.stop()
+        decode.stop()
+
+
+def chat(url: str, messages: list[dict], stream: bool, max_tokens: int = 8) -> tuple[str, dict]:
+    """(reply text, usage) of a greedy chat completion."""
+    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": stream}
+    if not stream:
+        r = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        out = r.json()
+        return out["choices"][0]["message"]["content"], out["usage"]
+    text, usage = [], None
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            assert "error" not in chunk, chunk
+            for c in chunk["choices"]:
+                text.append(c["delta"].get("content") or "")
+            usage = chunk.get("usage") or usage
+    return "".join(text), usage
+
+
+def run_conversations(url: str, salt: str) -> list[list[tuple[str, dict]]]:
+    """Every conversation's turns; the conversations of a turn go concurrently, each turn
+    alternating streamed and not."""
+    history = [[] for _ in USERS]
+    out: list[list[tuple[str, dict]]] = [[] for _ in USERS]
+    with ThreadPoolExecutor(len(USERS)) as pool:
+        for t in range(TURNS):
+            for i, turns in enumerate(USERS):
+                # the salt makes each run of the conversations start cold in every cache
+                first = f"[{salt}] " + " ".join([turns[0]] * 3)  # long enough to matter
+                history[i].append({"role": "user", "content": first if t == 0 else turns[t]})
+            got = list(pool.map(lambda i: chat(url, history[i], stream=(i + t) % 2 == 1),
+                                range(len(USERS))))
+            for i, (text, usage) in enumerate(got):
+                history[i].append({"role": "assistant", "content": text})
+                out[i].append((text, usage))
+    return out
+
+
+def test_outputs_match_colocated_and_the_decode_side_reads_the_prompt_from_the_store(
+        pd, colocated):
+    prefill, decode = pd
+    ref = run_conversations(colocated.url, "a")
+    got = run_conversations(prefill.url, "a")
+    assert [[t for t, _ in conv] for conv in got] == [[t for t, _ in conv] for conv in ref]
+    for conv, ref_conv in zip(got, ref):
+        for turn, ((_, u), (_, ref_u)) in enumerate(zip(conv, ref_conv)):
+            n = u["prompt_tokens"]
+            assert n == ref_u["prompt_tokens"]  # the same prompt ids (shared reply records)
+            usable = (n - 1) // PS * PS  # a hit leaves at least the last token to compute
+            details = u["prompt_tokens_details"]
+            by_tier = details["cached_tokens_by_tier"]
+            # the decode worker computed only the tail partial page (and the last token)
+            assert u["prompt_cache_hit_tokens"] == details["cached_tokens"] == usable
+            assert sum(by_tier.values()) == usable
+            # its L3 is the store alone: every L3 token came from there
+            assert details["cached_tokens_from_store"] == by_tier.get("disk", 0)
+            if turn == 0:  # a new conversation: >= 90% of it from the store, the rest is the
+                # chat template's start, which a concurrent conversation loaded a moment before
+                assert set(by_tier) <= {"device", "disk"} and by_tier["disk"] >= 0.9 * n
+            else:  # the earlier turns are still in the decode worker's device pool
+                assert by_tier.get("device", 0) > 0 and by_tier.get("disk", 0) > 0
+            pre = u["prefill_worker"]
+            assert pre["prompt_tokens"] == n and pre["pages"] == n // PS
+            assert pre["pages_failed"] == 0
+            assert pre["pages_present"] + pre["pages_published"] == pre["pages"]
+            assert pre["cached_tokens"] + pre["computed_tokens"] == n
+            if turn > 0:  # the prefill worker found the earlier turns (its own and the reply's)
+                assert pre["pages_present"] > 0 and pre["cached_tokens"] > 0
+    assert decode.metric("requests_aborted_total") == 0
+
+
+def test_internal_prefill_answers_the_counts_and_publishes_the_pages(pd):
+    prefill, decode = pd
+    body = {"endpoint": "completion",
+            "request": {"prompt": "Prefix caching reuses the key value cache of earlier "
+                                  "requests. " * 3, "max_tokens": 4}}
+    first = httpx.post(prefill.url + "/internal/prefill", json=body, timeout=120).json()
+    n = first["prompt_tokens"]
+    assert first["pages"] == n // PS and first["pages_failed"] == 0
+    assert first["pages_published"] == first["pages"] and first["pages_present"] == 0
+    assert first["cached_tokens"] == 0 and first["computed_tokens"] == n
+    again = httpx.post(prefill.url + "/internal/prefill", json=body, timeout=120).json()
+    assert again["pages_present"] == again["pages"] and again["pages_published"] == 0
+    assert again["cached_tokens"] == (n - 1) // PS * PS
+    # the decode worker (no prefill of its own) finds every usable page in the store
+    r = httpx.post(decode.url + "/v1/completions", json={**body["request"], "temperature": 0},
+                   timeout=120).json()
+    assert r["usage"]["prompt_tokens_details"]["cached_tokens_from_store"] == (n - 1) // PS * PS
+    assert "prefill_worker" not in r["usage"]
+    bad = httpx.post(prefill.url + "/internal/prefill", json={"endpoint": "x", "request": {}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "endpoint"
+
+
+def test_a_client_leaving_mid_stream_ends_the_request_on_the_decode_worker(pd):
+    prefill, decode = pd
+    before = decode.metric("requests_aborted_total")
+    body = {"messages": [{"role": "user", "content": "Tell me a long story."}],
+            "max_tokens": 400, "temperature": 0, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", prefill.url + "/v1/chat/completions", json=body, timeout=120) as r:
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(6)]  # a few chunks: the decode side is streaming
+        assert any('"content"' in line for line in got)
+    t0 = time.monotonic()
+    while decode.metric("requests_aborted_total") < before + 1:
+        assert time.monotonic() - t0 < 60, "the decode worker did not abort the request"
+        time.sleep(0.2)
+    while decode.metric("num_requests_running") > 0:
+        assert time.monotonic() - t0 < 60
+        time.sleep(0.2)
+
+
+def test_a_store_killed_mid_run_costs_recomputation_not_errors(pd, colocated, store_service):
+    if store_service.url.startswith("mooncake"):
+        pytest.skip("Mooncake's client may crash its process after the master dies "
+                    "(see tests/kv/tiers/test_shared_store.py); Redis covers the case")
+    prefill, decode = pd
+    store_service.kill()
+    ref = run_conversations(colocated.url, "b")
+    got = run_conversations(prefill.url, "b")  # every request answered 200 (asserted in chat)
+    assert [[t for t, _ in conv] for conv in got] == [[t for t, _ in conv] for conv in ref]
+    for conv in got:
+        for _, u in conv:
+            assert u["prompt_tokens_details"]["cached_tokens_from_store"] == 0
+            assert u["prefill_worker"]["pages_published"] == 0
+            assert u["prefill_worker"]["pages_failed"] == u["prefill_worker"]["pages"]
