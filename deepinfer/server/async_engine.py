@@ -262,7 +262,7 @@ class AsyncEngine:
                 raise QueueFull(self.config.retry_after_s, self.capacity)
             built = sub.prompt or self.build_prompt(p)
             params = p.params
-            if p.tools.forced:  # tool_choice required / named: the reply is calls, by grammar
+            if p.tools.forced and not params.prefill_only:  # the reply is calls, by grammar
                 schema = p.tools.call_schema(self.tool_parser.ARGS_KEY)
                 params.structured_output = StructuredOutput.lark(self.tool_parser.call_grammar(
                     schema, p.tools.parallel, self.tokenizer.get_added_vocab()))

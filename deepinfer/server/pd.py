@@ -35,7 +35,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..engine import LLMEngine
-from ..kv.publish import PublishResult, StorePublisher
+from ..kv.publish import PagePlan, PublishResult, StorePublisher
 from .anthropic import parse_messages_request
 from .boundary import read_json
 from .async_engine import AsyncEngine
@@ -117,7 +117,7 @@ class PrefillWorker:
             parse_request(body, kind, defaults)
         self.server.check_model(parsed.model)
         params = dataclasses.replace(parsed.params, max_tokens=1, n=1, best_of=None,
-                                     logprobs=None, prefill_only=True)
+                                     logprobs=None, structured_output=None, prefill_only=True)
         return dataclasses.replace(parsed, params=params, max_tokens=1, stream=False)
 
     async def prefill(self, kind: str, body: dict, request: Request) -> dict | None:
@@ -156,7 +156,7 @@ class PrefillWorker:
                 "prefill_s": round(t1 - t0, 6), "publish_s": round(time.perf_counter() - t1, 6),
                 "kv_store": pub.remote.where}
 
-    async def _publish(self, plan, before: list[bool]) -> PublishResult:
+    async def _publish(self, plan: PagePlan, before: list[bool]) -> PublishResult:
         pub = self.publisher
         missing = [i for i, ok in enumerate(before) if not ok]
         if missing:  # the write-through of this prefill: wait for it, then look again

@@ -50,6 +50,7 @@ from .remote_store import LayeredStore, RemoteStore
 from .store_clients import open_remote_store
 
 log = logging.getLogger(__name__)
+PUBLISH_BATCH = 64  # pages per store call of ``publish`` (a radix node's worth at most)
 
 
 class TierIO(TierBackend):
@@ -349,8 +350,10 @@ class TierIO(TierBackend):
 
         def put() -> list[bool]:
             rows = self._encode_on_side(self.disk_codec, data, ev).cpu().numpy()
-            return remote.put_many([(k, rows[i].tobytes(), self.page_size, ids[i])
-                                    for i, k in enumerate(keys)])
+            items = [(k, rows[i].tobytes(), self.page_size, ids[i]) for i, k in enumerate(keys)]
+            step = PUBLISH_BATCH  # each batch is one store call, within its timeout
+            return [ok for i in range(0, len(items), step)
+                    for ok in remote.put_many(items[i : i + step])]
         return put
 
     def wait(self, timeout: float | None = None) -> bool:
