@@ -106,7 +106,7 @@ class Server:
         if engine.config.model:
             self.model_names.add(str(engine.config.model))
         self.created = int(time.time())
-        check_role(self.config, engine)
+        check_role(self.config, engine.config)
         self.prefill_worker = PrefillWorker(self) if self.config.role == "prefill" else None
 
     # ------------------------------------------------------------------ helpers

@@ -34,6 +34,7 @@ import httpx
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from ..config import EngineConfig
 from ..engine import LLMEngine
 from ..kv.publish import PagePlan, PublishResult, StorePublisher
 from .anthropic import parse_messages_request
@@ -58,9 +59,9 @@ PREFILL_FIELDS = ("prompt_tokens", "cached_tokens", "computed_tokens", "pages", 
                   "pages_published", "pages_failed", "prefill_s", "publish_s")
 
 
-def check_role(config: ServerConfig, engine: LLMEngine) -> None:
+def check_role(config: ServerConfig, engine_config: EngineConfig) -> None:
     """The roles' requirements, at start-up (ValueError)."""
-    if config.role != "both" and engine.config.kv_store is None:
+    if config.role != "both" and engine_config.kv_store is None:
         raise ValueError(f"--role {config.role} needs the shared store: --kv-store URL")
 
 

@@ -20,6 +20,10 @@ import httpx
 import pytest
 from server_helpers import start_server
 
+from deepinfer.config import EngineConfig
+from deepinfer.server.config import ServerConfig
+from deepinfer.server.pd import check_role
+
 REPO = Path(__file__).resolve().parents[2]
 PS = 4  # page size of every server here
 TURNS = 3
@@ -203,6 +207,23 @@ def test_internal_prefill_answers_the_counts_and_publishes_the_pages(pd):
     assert "prefill_worker" not in r["usage"]
     bad = httpx.post(prefill.url + "/internal/prefill", json={"endpoint": "x", "request": {}})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "endpoint"
+    bad = httpx.post(prefill.url + "/internal/prefill",
+                     json={"endpoint": "chat", "request": {"messages": []}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages"
+    bad = httpx.post(decode.url + "/v1/completions", json=body["request"],
+                     headers={"x-deepinfer-prefill": '{"pages": -1}'})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "x-deepinfer-prefill"
+
+
+def test_role_flags_are_checked():
+    with pytest.raises(ValueError, match="role"):
+        ServerConfig(role="decoder")
+    with pytest.raises(ValueError, match="--decode-worker"):
+        ServerConfig(role="decode", decode_workers=["http://127.0.0.1:1"])
+    for role in ("prefill", "decode"):
+        with pytest.raises(ValueError, match="--kv-store"):
+            check_role(ServerConfig(role=role), EngineConfig())
+    check_role(ServerConfig(role="decode"), EngineConfig(kv_store="redis://127.0.0.1:1"))
 
 
 def test_a_client_leaving_mid_stream_ends_the_request_on_the_decode_worker(pd):
