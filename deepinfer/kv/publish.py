@@ -35,9 +35,9 @@ class PagePlan:
 @dataclass
 class PublishResult:
     pages: int  # full pages of the prompt
-    present: int  # in the store when the request arrived
-    published: int  # put in the store for this request (its writes waited for, or made now)
-    failed: int  # not in the store (store down, or the page left L1): the decode side computes them
+    pages_present: int  # in the store when the request arrived
+    pages_published: int  # put in the store for it (its writes waited for, or made now)
+    pages_failed: int  # not in the store (store down, or the page left L1): decode computes them
 
     def to_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -69,10 +69,9 @@ class StorePublisher:
     def wait_written(self, keys: list[str]) -> None:
         self.tiers.wait_written(keys)
 
-    def capture(self, plan: PagePlan, missing: list[int]
-                ) -> tuple[list[int], Callable[[], list[bool]] | None]:
-        """The pages of ``missing`` (indices into ``plan``) still in L1, and a call that writes
-        them to the store (None if none is)."""
+    def capture(self, plan: PagePlan, missing: list[int]) -> Callable[[], list[bool]] | None:
+        """A call that writes the pages of ``missing`` (indices into ``plan``) still in L1 to
+        the store and returns its acks (None if none is in L1)."""
         assert self.kv.tree is not None
         m = self.kv.tree.match(plan.hashes, touch=False, count_hit=False)
         l1: list[int] = []
@@ -82,6 +81,6 @@ class StorePublisher:
             l1 += node.tiers[DEVICE]
         have = [i for i in missing if i < min(len(l1), m.num_pages)]
         if not have:
-            return [], None
-        return have, self.tiers.publish([l1[i] for i in have], [plan.keys[i] for i in have],
+            return None
+        return self.tiers.publish([l1[i] for i in have], [plan.keys[i] for i in have],
                                         [plan.ids[i] for i in have])

@@ -3,7 +3,8 @@
 Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
 ``GET /v1/models/{id}``, ``POST /v1/cache/explain``, ``GET /health``, ``GET /metrics``,
 ``POST /tokenize``, ``POST /detokenize`` (``tokenize.py``) and Anthropic's ``POST /v1/messages``
-(``anthropic.py``).
+(``anthropic.py``); with ``--role prefill``, ``POST /internal/prefill`` and the forwarding of the
+generation endpoints to decode workers (``pd.py``).
 
 Every response carries usage, streamed or not: ``prompt_tokens``, ``completion_tokens``,
 ``total_tokens``, ``prompt_cache_hit_tokens`` + ``prompt_cache_miss_tokens`` (DeepSeek; they

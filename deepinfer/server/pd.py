@@ -153,7 +153,7 @@ class PrefillWorker:
                 "cached_tokens": usage.cached_tokens,
                 "cached_tokens_by_tier": dict(usage.cached_tokens_by_tier),
                 "computed_tokens": usage.prompt_tokens - usage.cached_tokens,
-                **{f"pages_{k}" if k != "pages" else k: v for k, v in result.to_dict().items()},
+                **result.to_dict(),
                 "prefill_s": round(t1 - t0, 6), "publish_s": round(time.perf_counter() - t1, 6),
                 "kv_store": pub.remote.where}
 
@@ -169,12 +169,12 @@ class PrefillWorker:
             still = []
         written = 0
         if still:
-            have, put = await self.async_engine.call(lambda: pub.capture(plan, still))
+            put = await self.async_engine.call(lambda: pub.capture(plan, still))
             if put is not None:
                 written = sum(await asyncio.to_thread(put))
-        return PublishResult(pages=len(plan.keys), present=len(plan.keys) - len(missing),
-                             published=len(missing) - len(still) + written,
-                             failed=len(still) - written)
+        return PublishResult(pages=len(plan.keys), pages_present=len(plan.keys) - len(missing),
+                             pages_published=len(missing) - len(still) + written,
+                             pages_failed=len(still) - written)
 
     async def internal(self, request: Request) -> Response:
         """``POST /internal/prefill``: {"endpoint": "chat" | "completion" | "messages",

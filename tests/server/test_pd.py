@@ -226,6 +226,21 @@ def test_role_flags_are_checked():
     check_role(ServerConfig(role="decode"), EngineConfig(kv_store="redis://127.0.0.1:1"))
 
 
+def test_anthropic_messages_go_through_the_prefill_worker_too(pd, colocated):
+    prefill, _ = pd
+    body = {"model": colocated.server_obj.model_name, "max_tokens": 6, "temperature": 0,
+            "messages": [{"role": "user", "content": "Prefix caching reuses the key value "
+                          "cache of earlier requests in a conversation. Why?"}]}
+    got = httpx.post(prefill.url + "/v1/messages", json=body, timeout=120)
+    ref = httpx.post(colocated.url + "/v1/messages", json=body, timeout=120)
+    assert got.status_code == ref.status_code == 200, got.text
+    assert got.json()["content"] == ref.json()["content"]
+    prompt = lambda u: u["input_tokens"] + u["cache_read_input_tokens"] + \
+        u["cache_creation_input_tokens"]  # noqa: E731
+    assert prompt(got.json()["usage"]) == prompt(ref.json()["usage"])
+    assert got.json()["usage"]["cache_read_input_tokens"] > 0  # the decode side read the store
+
+
 def test_a_client_leaving_mid_stream_ends_the_request_on_the_decode_worker(pd):
     prefill, decode = pd
     before = decode.metric("requests_aborted_total")
