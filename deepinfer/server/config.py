@@ -46,10 +46,15 @@ class ServerConfig:
     # Request defaults: "auto" (the model's generation_config.json), "vllm" (built-in
     # defaults) or a folder holding a generation_config.json.
     generation_config: str = "auto"
+    # KV events (``kv_events.py``, for a router's prefix index): events kept for subscribers;
+    # 0 turns the endpoints off.
+    kv_events_buffer: int = 4096
 
     def __post_init__(self) -> None:
         if self.max_queue < 0:
             raise ValueError("max_queue must be >= 0")
+        if self.kv_events_buffer < 0:
+            raise ValueError("kv_events_buffer must be >= 0")
         if self.max_body_bytes < 1:
             raise ValueError("max_body_bytes must be >= 1")
         if not (0 <= self.port < 65536):
@@ -87,6 +92,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="request defaults (temperature, top_p, top_k, min_p, max_new_tokens): "
                         "auto (the model's generation_config.json), vllm (built-in defaults), or "
                         "a folder with a generation_config.json")
+    p.add_argument("--kv-events-buffer", type=int, default=d.kv_events_buffer,
+                   help="KV events (pages stored/removed) kept for routers polling GET /kv/events; "
+                        "a router further behind resyncs from GET /kv/snapshot (0: no events)")
 
 
 def read_chat_template(value: str | None) -> str | None:
@@ -128,4 +136,5 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
                         shutdown_timeout_s=args.shutdown_timeout, log_level=args.log_level,
                         tool_call_parser=args.tool_call_parser,
                         chat_template=read_chat_template(args.chat_template),
-                        generation_config=args.generation_config)
+                        generation_config=args.generation_config,
+                        kv_events_buffer=args.kv_events_buffer)
