@@ -6,7 +6,8 @@
 ``x-deepinfer-worker`` header naming the worker. A worker that refuses the connection leaves
 rotation and the request goes to the next best one. ``GET /v1/models`` is a healthy worker's;
 ``GET /health`` is 200 while some worker is in rotation; ``GET /metrics`` and
-``GET /router/workers`` show the routing.
+``GET /router/workers`` show the routing. With ``--prefill-worker``/``--decode-worker`` each
+request is prefilled on one worker and decoded on another (``pd.py``).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from ..server.protocol import APIError, parse_request
 from .config import RouterConfig
 from .events import follow
 from .index import PrefixIndex
+from . import pd
 from .metrics import render
 from .policy import Choice, Policy
 from .prompts import PromptTokenizer, RoutedPrompt
@@ -65,12 +67,26 @@ class Router:
         body = await read_json(request, MAX_BODY_BYTES)
         parsed = parse_request(body, kind)
         prompt = await self.tokens.prompt(parsed)
-        role = "prefill" if self.config.disaggregated else "both"
+        headers = self._headers(request)
+        if self.config.disaggregated:
+            pre, counts = await self.first_answering("prefill", prompt, lambda choice: pd.prefill(
+                self.client, request, choice, kind, body, prompt, headers))
+            if not isinstance(counts, dict):  # the client left, or the prefill failed
+                return counts if counts is not None else Response(status_code=499)
+            headers = pd.decode_headers(counts, headers, pre.worker.url)
+        _, resp = await self.first_answering(
+            "decode" if self.config.disaggregated else "both", prompt,
+            lambda choice: self.forward(request, choice, path, body, prompt, headers))
+        return resp
+
+    async def first_answering(self, role: str, prompt: RoutedPrompt, send):
+        """(choice, ``await send(choice)``) for the best worker of ``role``; on a connect error
+        that worker leaves rotation and the next best one is tried."""
         tried: set[str] = set()
         while True:
             choice = self.pick(prompt, role, tried)
             try:
-                return await self.forward(request, choice, path, body, prompt)
+                return choice, await send(choice)
             except _RETRYABLE as e:
                 tried.add(choice.worker.url)
                 choice.worker.connect_failures += 1
@@ -82,14 +98,14 @@ class Router:
         return {"content-type": "application/json", **({"authorization": auth} if auth else {})}
 
     async def forward(self, request: Request, choice: Choice, path: str, body: dict,
-                      prompt: RoutedPrompt) -> Response:
+                      prompt: RoutedPrompt, headers: dict[str, str]) -> Response:
         assert self.client is not None
         w = choice.worker
-        pages = prompt.pages(w.page_size or 16)
+        pages = prompt.pages(w.page_size)
         w.begin(pages)
         handed_off = False
         try:
-            up = self.client.build_request("POST", w.url + path, headers=self._headers(request),
+            up = self.client.build_request("POST", w.url + path, headers=headers,
                                            content=json.dumps(body).encode())
             resp = await unless_disconnected(request, asyncio.ensure_future(
                 self.client.send(up, stream=True)))

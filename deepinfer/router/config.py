@@ -60,7 +60,7 @@ class RouterConfig:
 
 
 def add_router_args(p: argparse.ArgumentParser) -> None:
-    d = RouterConfig(workers=["http://unused"])
+    d = RouterConfig  # the class attributes are the fields' defaults
     p.add_argument("--worker", action="append", default=[], metavar="URL",
                    help="a `deepinfer serve` worker (repeat for each)")
     p.add_argument("--prefill-worker", action="append", default=[], metavar="URL",

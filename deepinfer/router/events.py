@@ -18,7 +18,7 @@ from .workers import Worker, WorkerPool
 log = logging.getLogger("deepinfer.router")
 
 
-async def _sync(client: httpx.AsyncClient, pool: WorkerPool, w: Worker) -> None:
+async def sync(client: httpx.AsyncClient, pool: WorkerPool, w: Worker) -> None:
     r = await client.get(w.url + "/kv/snapshot")
     r.raise_for_status()
     snap = r.json()
@@ -27,11 +27,13 @@ async def _sync(client: httpx.AsyncClient, pool: WorkerPool, w: Worker) -> None:
     w.synced = True
 
 
-async def _poll(client: httpx.AsyncClient, pool: WorkerPool, w: Worker, wait_s: float) -> None:
+async def poll(client: httpx.AsyncClient, pool: WorkerPool, w: Worker, wait_s: float) -> None:
     r = await client.get(w.url + "/kv/events", params={"since": w.seq, "wait": wait_s},
                          timeout=wait_s + 10)
     r.raise_for_status()
     body = r.json()
+    if not w.synced:  # the worker left rotation during the poll: its index was dropped
+        return
     if body["reset"]:
         w.event_resets += 1
         w.synced = False
@@ -49,8 +51,8 @@ async def follow(client: httpx.AsyncClient, pool: WorkerPool, w: Worker, wait_s:
             continue
         try:
             if not w.synced:
-                await _sync(client, pool, w)
-            await _poll(client, pool, w, wait_s)
+                await sync(client, pool, w)
+            await poll(client, pool, w, wait_s)
         except (httpx.HTTPError, ValueError, KeyError) as e:
             if w.synced:
                 log.warning("KV events of %s lost (%s); resyncing", w.url, e)

@@ -17,8 +17,12 @@ import concurrent.futures
 from dataclasses import dataclass, field
 
 from ..chat import encode_text, render_text
+from ..config import EngineConfig
 from ..kv.hashing import chain_hashes, root_hash
 from ..server.protocol import APIError, ParsedRequest
+
+
+DEFAULT_PAGE_SIZE = EngineConfig.page_size
 
 
 @dataclass
@@ -40,9 +44,11 @@ class RoutedPrompt:
             self._hashes[key] = chain_hashes(self.token_ids[:n], page_size, root)
         return self._hashes[key]
 
-    def pages(self, page_size: int) -> int:
-        """Pages the request occupies on a worker at most: prompt + max_tokens."""
-        return -(-(self.num_tokens + self.parsed.params.max_tokens) // page_size)
+    def pages(self, page_size: int | None) -> int:
+        """Pages the request occupies on a worker at most: prompt + max_tokens (``None``: the
+        worker's page size is not known yet; deepinfer's default is assumed)."""
+        ps = page_size or DEFAULT_PAGE_SIZE
+        return -(-(self.num_tokens + self.parsed.params.max_tokens) // ps)
 
 
 class PromptTokenizer:

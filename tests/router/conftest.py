@@ -1,5 +1,5 @@
 """Real worker processes (``deepinfer serve`` over the tiny Llama, a small L1 so routing
-matters) and a real ``deepinfer router`` process, all on loopback."""
+matters) and the real router app (uvicorn in a thread), all on loopback."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 
@@ -23,7 +24,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_healthy(url: str, proc: subprocess.Popen, what: str, timeout: float = 120) -> None:
+def wait_healthy(url: str, proc: subprocess.Popen, what: str, timeout: float = 300) -> None:
     t0 = time.monotonic()
     while True:
         try:
@@ -56,33 +57,57 @@ def _env() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
-def start_worker(model, *extra: str, port: int | None = None) -> Proc:
+def spawn_worker(model, *extra: str, port: int | None = None) -> Proc:
     port = port or free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "deepinfer.cli", "serve", str(model), "--port", str(port),
          "--page-size", str(PAGE), "--num-pages", str(WORKER_PAGES), "--max-model-len", "256",
          "--no-disk-cache", "--host-cache-gb", "0", "--threads", "1", "--log-level", "warning",
          *extra], env=_env())
-    url = f"http://127.0.0.1:{port}"
-    wait_healthy(url, proc, "deepinfer serve")
-    return Proc(url, proc)
+    return Proc(f"http://127.0.0.1:{port}", proc)
 
 
-def start_router(model, workers: list[str], *extra: str) -> Proc:
-    port = free_port()
-    args = [a for w in workers for a in ("--worker", w)]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "deepinfer.cli", "router", *args, "--model", str(model),
-         "--port", str(port), "--health-interval", "0.2", "--log-level", "warning", *extra],
-        env=_env())
-    url = f"http://127.0.0.1:{port}"
-    wait_healthy(url, proc, "deepinfer router")
-    return Proc(url, proc)
+def start_worker(model, *extra: str, port: int | None = None) -> Proc:
+    w = spawn_worker(model, *extra, port=port)
+    wait_healthy(w.url, w.proc, "deepinfer serve")
+    return w
+
+
+class RouterThread:
+    """The router app under uvicorn on a loopback port, in a thread of the test process."""
+
+    def __init__(self, model, workers: list[str], policy: str = "kv", **config) -> None:
+        import uvicorn
+
+        from deepinfer.loader import load_checkpoint
+        from deepinfer.router.app import Router
+        from deepinfer.router.config import RouterConfig
+
+        cfg = RouterConfig(workers=workers, policy=policy, model=str(model), port=0,
+                           health_interval_s=0.2, log_level="warning", **config)
+        app = Router(cfg, load_checkpoint(model, progress=False).tokenizer).build_app()
+        self._sock = socket.socket()
+        self._sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
+        self._server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+        self._thread = threading.Thread(target=self._server.run,
+                                        kwargs={"sockets": [self._sock]}, daemon=True)
+        self._thread.start()
+        t0 = time.monotonic()
+        while not self._server.started:
+            assert self._thread.is_alive() and time.monotonic() - t0 < 60, "router did not start"
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(30)
 
 
 @pytest.fixture(scope="module")
 def workers(tiny_llama):
-    procs = [start_worker(tiny_llama) for _ in range(2)]
+    procs = [spawn_worker(tiny_llama) for _ in range(2)]  # both start at once
+    for p in procs:
+        wait_healthy(p.url, p.proc, "deepinfer serve")
     yield procs
     for p in procs:
         p.stop()

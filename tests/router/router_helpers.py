@@ -1,4 +1,4 @@
-"""Client-side helpers of the router tests: requests, the router's state, the index settling."""
+"""Client-side helpers of the router tests: the router's state, the index settling, metrics."""
 
 from __future__ import annotations
 
@@ -24,16 +24,6 @@ def settle(router_url: str, worker_urls: list[str], timeout: float = 20.0) -> No
             return
         assert time.monotonic() - t0 < timeout, f"index of {behind} did not catch up: {st}"
         time.sleep(0.05)
-
-
-def chat(router_url: str, messages: list[dict], **kw) -> tuple[str, str, int]:
-    """(worker that served it, reply text, cached prompt tokens) of one chat request."""
-    r = httpx.post(router_url + "/v1/chat/completions", timeout=120, json={
-        "messages": messages, "max_tokens": 4, "temperature": 0, **kw})
-    assert r.status_code == 200, r.text
-    body = r.json()
-    return (r.headers["x-deepinfer-worker"], body["choices"][0]["message"]["content"],
-            body["usage"]["prompt_tokens_details"]["cached_tokens"])
 
 
 def metric(url: str, name: str) -> float:

@@ -1,14 +1,21 @@
 """``deepinfer router`` in front of two real workers: KV-aware placement, round robin, streams
-passed through, client disconnects, a worker killed and restarted."""
+passed through, client disconnects, a worker frozen and thawed, a worker killed."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import signal
+import time
 
 import httpx
 import pytest
-from conftest import PAGE, start_router, start_worker
-from router_helpers import chat, metric, settle, state
+from conftest import PAGE, RouterThread
+from deepinfer.cli import main
+from deepinfer.router import events
+from deepinfer.router.index import PrefixIndex
+from deepinfer.router.workers import Worker, WorkerPool
+from router_helpers import metric, settle, state
 
 SYSTEMS = ["You are a careful assistant for astronomy questions about distant galaxies.",
            "Reply as a terse ship's captain logging the weather at sea, one line each.",
@@ -19,14 +26,14 @@ TURNS = ["first question, please", "a follow-up about that", "and one more thing
 
 @pytest.fixture(scope="module")
 def kv_router(tiny_llama, workers):
-    r = start_router(tiny_llama, [w.url for w in workers])
+    r = RouterThread(tiny_llama, [w.url for w in workers])
     yield r.url
     r.stop()
 
 
 @pytest.fixture(scope="module")
 def rr_router(tiny_llama, workers):
-    r = start_router(tiny_llama, [w.url for w in workers], "--policy", "round_robin")
+    r = RouterThread(tiny_llama, [w.url for w in workers], "round_robin")
     yield r.url
     r.stop()
 
@@ -52,7 +59,7 @@ def converse(router_url: str, worker_urls: list[str], system: str) -> list[tuple
 def test_turns_land_on_the_worker_holding_the_prefix(kv_router, workers):
     urls = [w.url for w in workers]
     settle(kv_router, urls)
-    before = {u: metric(kv_router, "reported_hit_tokens_total") for u in urls}
+    before = metric(kv_router, "reported_hit_tokens_total")
     for system in SYSTEMS[:2]:
         turns = converse(kv_router, urls, system)
         first = turns[0][0]
@@ -64,7 +71,7 @@ def test_turns_land_on_the_worker_holding_the_prefix(kv_router, workers):
     assert sum(w["predicted_hit_tokens"] for w in st.values()) > 0
     # predictions come from the same hashes the workers use: never more than they report
     assert all(w["predicted_hit_tokens"] <= w["reported_hit_tokens"] for w in st.values())
-    assert metric(kv_router, "reported_hit_tokens_total") > sum(before.values()) / len(urls)
+    assert metric(kv_router, "reported_hit_tokens_total") > before
 
 
 def test_round_robin_alternates_and_hits_less(kv_router, rr_router, workers):
@@ -120,13 +127,14 @@ def test_client_disconnect_aborts_on_the_worker(kv_router, workers):
     with httpx.stream("POST", kv_router + "/v1/completions", json=req, timeout=120) as r:
         worker = r.headers["x-deepinfer-worker"]
         next(r.iter_raw())  # the first chunk, then hang up
-    for _ in range(200):
-        if metric(worker, "requests_aborted_total") == aborted[worker] + 1:
-            break
-        import time
-        time.sleep(0.1)
-    assert metric(worker, "requests_aborted_total") == aborted[worker] + 1
+    _wait_for(lambda: metric(worker, "requests_aborted_total") == aborted[worker] + 1,
+              "the worker to abort the request")
     assert state(kv_router)[worker]["in_flight"] == 0
+
+
+def test_cli_rejects_a_router_without_workers(capsys):
+    assert main(["router", "--policy", "kv"]) == 2
+    assert "--worker" in capsys.readouterr().err
 
 
 def test_bad_request_is_answered_by_the_router(kv_router):
@@ -135,7 +143,32 @@ def test_bad_request_is_answered_by_the_router(kv_router):
     assert httpx.get(kv_router + "/v1/models").json()["data"][0]["id"]
 
 
-def test_killed_worker_leaves_rotation_and_comes_back(tiny_llama, kv_router, workers):
+def _wait_for(cond, what: str, timeout: float = 60.0) -> None:
+    t0 = time.monotonic()
+    while not cond():
+        assert time.monotonic() - t0 < timeout, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def test_unresponsive_worker_leaves_rotation_and_comes_back(kv_router, workers):
+    urls = [w.url for w in workers]
+    frozen = workers[1]
+    frozen.proc.send_signal(signal.SIGSTOP)  # its /health times out
+    try:
+        _wait_for(lambda: not state(kv_router)[frozen.url]["healthy"], "the health check")
+        assert state(kv_router)[frozen.url]["index_pages"] == 0  # the index forgot it
+        for i in range(3):
+            r = httpx.post(kv_router + "/v1/completions", timeout=120, json={
+                "prompt": f"while frozen {i}", "max_tokens": 2, "temperature": 0})
+            assert r.status_code == 200 and r.headers["x-deepinfer-worker"] == urls[0]
+    finally:
+        frozen.proc.send_signal(signal.SIGCONT)
+    _wait_for(lambda: state(kv_router)[frozen.url]["healthy"], "the worker's return")
+    settle(kv_router, urls)  # back in rotation, index rebuilt from its snapshot
+    assert state(kv_router)[frozen.url]["index_pages"] > 0
+
+
+def test_killed_worker_leaves_rotation(kv_router, workers):
     urls = [w.url for w in workers]
     dead = workers[1]
     dead.proc.kill()
@@ -148,7 +181,24 @@ def test_killed_worker_leaves_rotation_and_comes_back(tiny_llama, kv_router, wor
         served.add(r.headers.get("x-deepinfer-worker"))
     assert codes == [200] * 6 and served == {urls[0]}
     assert not state(kv_router)[dead.url]["healthy"]
-    port = int(dead.url.rsplit(":", 1)[1])
-    workers[1] = start_worker(tiny_llama, port=port)  # the fixture stops the new one
-    settle(kv_router, urls)  # back in rotation, index rebuilt from its snapshot
-    assert state(kv_router)[dead.url]["healthy"]
+
+
+def test_event_stream_reset_rebuilds_from_snapshot(kv_router, workers):
+    """A subscriber ahead of the worker's log (as after a worker restart) gets ``reset``; the
+    index forgets that worker and a snapshot rebuilds it exactly."""
+    w = Worker(workers[0].url, "both", healthy=True)
+    index = PrefixIndex()
+    pool = WorkerPool([w], index, 0.2)
+
+    async def run() -> None:
+        async with httpx.AsyncClient(timeout=30) as client:
+            await events.sync(client, pool, w)
+            held = index.num_pages(w.url)
+            assert held > 0 and w.synced
+            w.seq += 1000
+            await events.poll(client, pool, w, 0.0)
+            assert w.event_resets == 1 and not w.synced and index.num_pages(w.url) == 0
+            await events.sync(client, pool, w)
+            assert index.num_pages(w.url) == held
+
+    asyncio.run(run())
