@@ -13,6 +13,9 @@ placeholders in the planner). A tier value of ``None`` means absent. Eviction wo
 and only on that tier's "leaves" (nodes no child of which holds the tier), in LRU order, and
 never touches locked nodes. A node that holds no tier any more is useless together with its
 whole subtree (its descendants' KV needs this prefix), so the subtree is dropped.
+
+A ``listener`` (the server's KV event log, for routers) is told of every page that enters or
+leaves a tier; splits change no page's tiers, so they tell it nothing.
 """
 
 from __future__ import annotations
@@ -257,8 +260,7 @@ class RadixTree:
         release(node, tier)
         node.tiers[tier] = None
         self.pages_in_tier[tier] -= node.num_pages
-        if self.listener is not None:
-            self.listener.removed(node.hashes, tier)
+        self._removed(node, tier)
         parent = node.parent
         if node.best_tier() is None:
             self._remove_subtree(node, release)
@@ -280,13 +282,16 @@ class RadixTree:
                     release(n, t)
                     self.pages_in_tier[t] -= n.num_pages
                     n.tiers[t] = None
-                    if self.listener is not None:
-                        self.listener.removed(n.hashes, t)
+                    self._removed(n, t)
         node.parent = None
 
     def _stored(self, node: Node, tier: int) -> None:
         if self.listener is not None:
             self.listener.stored(node.hashes, tier)
+
+    def _removed(self, node: Node, tier: int) -> None:
+        if self.listener is not None:
+            self.listener.removed(node.hashes, tier)
 
     def held_pages(self) -> list[tuple[bytes, int]]:
         """Every (page hash, tier) the tree holds: the snapshot a listener's state starts from."""

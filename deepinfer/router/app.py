@@ -16,6 +16,8 @@ import asyncio
 import contextlib
 import json
 import logging
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import httpx
 from fastapi import FastAPI, Request
@@ -35,6 +37,7 @@ from .workers import Worker, WorkerPool
 
 log = logging.getLogger("deepinfer.router")
 
+T = TypeVar("T")
 MAX_BODY_BYTES = 16 * 2**20
 _RETRYABLE = (httpx.ConnectError, httpx.ConnectTimeout)  # nothing reached the worker
 
@@ -64,6 +67,7 @@ class Router:
         return self.policy.pick(workers, prompt, use_cache=role != "decode")
 
     async def completion(self, request: Request, kind: str, path: str) -> Response:
+        assert self.client is not None
         body = await read_json(request, MAX_BODY_BYTES)
         parsed = parse_request(body, kind)
         prompt = await self.tokens.prompt(parsed)
@@ -79,7 +83,8 @@ class Router:
             lambda choice: self.forward(request, choice, path, body, prompt, headers))
         return resp
 
-    async def first_answering(self, role: str, prompt: RoutedPrompt, send):
+    async def first_answering(self, role: str, prompt: RoutedPrompt,
+                              send: Callable[[Choice], Awaitable[T]]) -> tuple[Choice, T]:
         """(choice, ``await send(choice)``) for the best worker of ``role``; on a connect error
         that worker leaves rotation and the next best one is tried."""
         tried: set[str] = set()
