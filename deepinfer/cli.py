@@ -387,6 +387,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(s)
     add_server_args(s)
     s.set_defaults(func=cmd_serve)
+    from .router.serve import add_router_parser
+
+    add_router_parser(sub)
     return parser
 
 

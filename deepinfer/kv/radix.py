@@ -13,6 +13,9 @@ placeholders in the planner). A tier value of ``None`` means absent. Eviction wo
 and only on that tier's "leaves" (nodes no child of which holds the tier), in LRU order, and
 never touches locked nodes. A node that holds no tier any more is useless together with its
 whole subtree (its descendants' KV needs this prefix), so the subtree is dropped.
+
+A ``listener`` (the server's KV event log, for routers) is told of every page that enters or
+leaves a tier; splits change no page's tiers, so they tell it nothing.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 DEVICE, HOST, DISK = 0, 1, 2
 NUM_TIERS = 3
@@ -67,6 +70,15 @@ class Match:
 ReleaseFn = Callable[[Node, int], None]
 
 
+class TreeListener(Protocol):
+    """Told when pages enter or leave a tier (the workers' KV event stream). It runs on the
+    tree's own thread, inside inserts and evictions, so it must only record, never wait."""
+
+    def stored(self, hashes: list[bytes], tier: int) -> None: ...
+
+    def removed(self, hashes: list[bytes], tier: int) -> None: ...
+
+
 class RadixTree:
     def __init__(self, page_size: int, max_node_pages: int = 64) -> None:
         self.page_size = page_size
@@ -77,6 +89,7 @@ class RadixTree:
         self._heaps: list[list[tuple[int, int, Node]]] = [[] for _ in range(NUM_TIERS)]
         self._seq = 0
         self.pages_in_tier = [0] * NUM_TIERS
+        self.listener: TreeListener | None = None
 
     # ------------------------------------------------------------------ lookup
     def match(self, hashes: Sequence[bytes], touch: bool = True, count_hit: bool = True,
@@ -139,6 +152,7 @@ class RadixTree:
                 node.tiers[tier] = list(values[off : off + node.num_pages])
                 self.pages_in_tier[tier] += node.num_pages
                 self._push_candidate(node)
+                self._stored(node, tier)
             kept.extend(node.tiers[tier])
         parent = m.last or below or self.root
         i = m.num_pages
@@ -153,6 +167,7 @@ class RadixTree:
             node.tiers[tier] = list(values[i:j])
             self.pages_in_tier[tier] += j - i
             parent.children[node.hashes[0]] = node
+            self._stored(node, tier)
             m.path.append(node)
             kept.extend(node.tiers[tier])
             parent, i = node, j
@@ -171,6 +186,7 @@ class RadixTree:
         node.tiers[tier] = values
         self.pages_in_tier[tier] += node.num_pages
         self._push_candidate(node)
+        self._stored(node, tier)
 
     # ------------------------------------------------------------------ locking
     def lock(self, node: Node | None) -> None:
@@ -244,6 +260,7 @@ class RadixTree:
         release(node, tier)
         node.tiers[tier] = None
         self.pages_in_tier[tier] -= node.num_pages
+        self._removed(node, tier)
         parent = node.parent
         if node.best_tier() is None:
             self._remove_subtree(node, release)
@@ -265,7 +282,25 @@ class RadixTree:
                     release(n, t)
                     self.pages_in_tier[t] -= n.num_pages
                     n.tiers[t] = None
+                    self._removed(n, t)
         node.parent = None
+
+    def _stored(self, node: Node, tier: int) -> None:
+        if self.listener is not None:
+            self.listener.stored(node.hashes, tier)
+
+    def _removed(self, node: Node, tier: int) -> None:
+        if self.listener is not None:
+            self.listener.removed(node.hashes, tier)
+
+    def held_pages(self) -> list[tuple[bytes, int]]:
+        """Every (page hash, tier) the tree holds: the snapshot a listener's state starts from."""
+        out, stack = [], list(self.root.children.values())
+        while stack:
+            n = stack.pop()
+            stack.extend(n.children.values())
+            out += [(h, t) for t in range(NUM_TIERS) if n.tiers[t] is not None for h in n.hashes]
+        return out
 
     # ------------------------------------------------------------------ structure
     def _split(self, node: Node, k: int) -> Node:

@@ -2,9 +2,10 @@
 
 Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``,
 ``GET /v1/models/{id}``, ``POST /v1/cache/explain``, ``GET /health``, ``GET /metrics``,
-``POST /tokenize``, ``POST /detokenize`` (``tokenize.py``) and Anthropic's ``POST /v1/messages``
-(``anthropic.py``); with ``--role prefill``, ``POST /internal/prefill`` and the forwarding of the
-generation endpoints to decode workers (``pd.py``).
+``POST /tokenize``, ``POST /detokenize`` (``tokenize.py``), ``GET /kv/events`` and
+``GET /kv/snapshot`` (``kv_events.py``) and Anthropic's ``POST /v1/messages`` (``anthropic.py``);
+with ``--role prefill``, ``POST /internal/prefill`` and the forwarding of the generation
+endpoints to decode workers (``pd.py``).
 
 Every response carries usage, streamed or not: ``prompt_tokens``, ``completion_tokens``,
 ``total_tokens``, ``prompt_cache_hit_tokens`` + ``prompt_cache_miss_tokens`` (DeepSeek; they
@@ -37,6 +38,7 @@ from .anthropic import error_response, message_body, parse_messages_request, str
 from .async_engine import AsyncEngine
 from .boundary import BearerAuth, CatchAll, read_json
 from .config import ServerConfig, generation_defaults
+from .kv_events import add_kv_event_routes, attach_event_log
 from .metrics import render
 from .outputs import Admitted, Delta, Submission, merge_deltas
 from .pd import PrefillWorker, check_role, prefill_counts
@@ -102,6 +104,7 @@ class Server:
             engine.tokenizer.chat_template = self.config.chat_template
         self.defaults = generation_defaults(self.config.generation_config, engine.checkpoint_path)
         self.async_engine = AsyncEngine(engine, self.config)
+        self.kv_events = attach_event_log(engine.kv.tree, self.config.kv_events_buffer)
         self.model_name = self.config.served_model_name or engine.model_name
         self.model_names = {self.model_name, engine.model_name}
         if engine.config.model:
@@ -431,6 +434,8 @@ class Server:
         @app.get("/metrics")
         async def metrics() -> Response:
             return await self.metrics()
+
+        add_kv_event_routes(app, self.async_engine, self.kv_events)
 
         app.add_middleware(CatchAll)
         if self.config.api_key:

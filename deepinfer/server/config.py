@@ -51,6 +51,9 @@ class ServerConfig:
     # prompts into the shared store, hands requests to ``decode_workers``), "decode".
     role: str = "both"
     decode_workers: list[str] = field(default_factory=list)  # base URLs, round-robin
+    # KV events (``kv_events.py``, for a router's prefix index): events kept for subscribers;
+    # 0 turns the endpoints off.
+    kv_events_buffer: int = 4096
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -59,6 +62,8 @@ class ServerConfig:
             raise ValueError("--decode-worker is for --role prefill")
         if self.max_queue < 0:
             raise ValueError("max_queue must be >= 0")
+        if self.kv_events_buffer < 0:
+            raise ValueError("kv_events_buffer must be >= 0")
         if self.max_body_bytes < 1:
             raise ValueError("max_body_bytes must be >= 1")
         if not (0 <= self.port < 65536):
@@ -103,6 +108,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="request defaults (temperature, top_p, top_k, min_p, max_new_tokens): "
                         "auto (the model's generation_config.json), vllm (built-in defaults), or "
                         "a folder with a generation_config.json")
+    p.add_argument("--kv-events-buffer", type=int, default=d.kv_events_buffer,
+                   help="KV events (pages stored/removed) kept for routers polling GET /kv/events; "
+                        "a router further behind resyncs from GET /kv/snapshot (0: no events)")
 
 
 def read_chat_template(value: str | None) -> str | None:
@@ -145,4 +153,5 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
                         tool_call_parser=args.tool_call_parser,
                         chat_template=read_chat_template(args.chat_template),
                         generation_config=args.generation_config, role=args.role,
-                        decode_workers=args.decode_worker)
+                        decode_workers=args.decode_worker,
+                        kv_events_buffer=args.kv_events_buffer)

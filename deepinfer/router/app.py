@@ -1,0 +1,221 @@
+"""The router's FastAPI app: OpenAI-compatible front over a set of ``deepinfer serve`` workers.
+
+``POST /v1/chat/completions`` and ``/v1/completions`` are read with the server's own parser
+(a bad request is answered 400 here), hashed (``prompts.py``), given a worker by the policy
+(``policy.py``) and forwarded; the answer comes back unchanged (``proxy.py``) with an
+``x-deepinfer-worker`` header naming the worker. A worker that refuses the connection leaves
+rotation and the request goes to the next best one. ``GET /v1/models`` is a healthy worker's;
+``GET /health`` is 200 while some worker is in rotation; ``GET /metrics`` and
+``GET /router/workers`` show the routing. With ``--prefill-worker``/``--decode-worker`` each
+request is prefilled on one worker and decoded on another (``pd.py``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from ..server.boundary import CatchAll, read_json
+from ..server.protocol import APIError, parse_request
+from .config import RouterConfig
+from .events import follow
+from .index import PrefixIndex
+from . import pd
+from .metrics import render
+from .policy import Choice, Policy
+from .prompts import PromptTokenizer, RoutedPrompt
+from .proxy import UsageSniffer, cached_tokens, passed_headers, streamed, unless_disconnected, whole
+from .workers import Worker, WorkerPool
+
+log = logging.getLogger("deepinfer.router")
+
+T = TypeVar("T")
+MAX_BODY_BYTES = 16 * 2**20
+_RETRYABLE = (httpx.ConnectError, httpx.ConnectTimeout)  # nothing reached the worker
+
+
+class Router:
+    def __init__(self, config: RouterConfig, tokenizer) -> None:
+        self.config = config
+        self.index = PrefixIndex()
+        roles = [(u, "both") for u in config.workers] + \
+            [(u, "prefill") for u in config.prefill_workers] + \
+            [(u, "decode") for u in config.decode_workers]
+        self.pool = WorkerPool([Worker(u, r) for u, r in roles], self.index,
+                               config.health_interval_s)
+        self.policy = Policy(config.policy, self.index, config.overlap_weight)
+        self.tokens = PromptTokenizer(tokenizer)
+        self.client: httpx.AsyncClient | None = None
+        self.retries = 0
+
+    # ------------------------------------------------------------------ routing
+    def pick(self, prompt: RoutedPrompt, role: str, tried: set[str]) -> Choice:
+        workers = [w for w in self.pool.healthy(role) if w.url not in tried]
+        if not workers:
+            which = "" if role == "both" else f"{role} "
+            raise APIError(503, f"no {which}worker is in rotation (all failed their health "
+                                "checks or refused the connection)",
+                           type="server_error", code="no_worker")
+        return self.policy.pick(workers, prompt, use_cache=role != "decode")
+
+    async def completion(self, request: Request, kind: str, path: str) -> Response:
+        assert self.client is not None
+        body = await read_json(request, MAX_BODY_BYTES)
+        parsed = parse_request(body, kind)
+        prompt = await self.tokens.prompt(parsed)
+        headers = self._headers(request)
+        if self.config.disaggregated:
+            pre, counts = await self.first_answering("prefill", prompt, lambda choice: pd.prefill(
+                self.client, request, choice, kind, body, prompt, headers))
+            if not isinstance(counts, dict):  # the client left, or the prefill failed
+                return counts if counts is not None else Response(status_code=499)
+            headers = pd.decode_headers(counts, headers, pre.worker.url)
+        _, resp = await self.first_answering(
+            "decode" if self.config.disaggregated else "both", prompt,
+            lambda choice: self.forward(request, choice, path, body, prompt, headers))
+        return resp
+
+    async def first_answering(self, role: str, prompt: RoutedPrompt,
+                              send: Callable[[Choice], Awaitable[T]]) -> tuple[Choice, T]:
+        """(choice, ``await send(choice)``) for the best worker of ``role``; on a connect error
+        that worker leaves rotation and the next best one is tried."""
+        tried: set[str] = set()
+        while True:
+            choice = self.pick(prompt, role, tried)
+            try:
+                return choice, await send(choice)
+            except _RETRYABLE as e:
+                tried.add(choice.worker.url)
+                choice.worker.connect_failures += 1
+                self.pool.mark_down(choice.worker, f"{type(e).__name__}: {e}")
+                self.retries += 1
+
+    def _headers(self, request: Request) -> dict[str, str]:
+        auth = request.headers.get("authorization")
+        return {"content-type": "application/json", **({"authorization": auth} if auth else {})}
+
+    async def forward(self, request: Request, choice: Choice, path: str, body: dict,
+                      prompt: RoutedPrompt, headers: dict[str, str]) -> Response:
+        assert self.client is not None
+        w = choice.worker
+        pages = prompt.pages(w.page_size)
+        w.begin(pages)
+        handed_off = False
+        try:
+            up = self.client.build_request("POST", w.url + path, headers=headers,
+                                           content=json.dumps(body).encode())
+            resp = await unless_disconnected(request, asyncio.ensure_future(
+                self.client.send(up, stream=True)))
+            if resp is None:
+                return Response(status_code=499)
+            w.routed += 1
+            w.predicted_hit_tokens += choice.predicted_hit_tokens
+            headers = passed_headers(resp, {"x-deepinfer-worker": w.url})
+            if prompt.parsed.stream and resp.status_code == 200:
+                sniffer = UsageSniffer()
+
+                def on_end() -> None:
+                    w.end(pages)
+                    w.reported_hit_tokens += sniffer.cached_tokens or 0
+
+                handed_off = True
+                return streamed(resp, headers, sniffer, on_end)
+            data = await unless_disconnected(request, asyncio.ensure_future(resp.aread()))
+            await resp.aclose()
+            if data is None:
+                return Response(status_code=499)
+            if resp.status_code == 200:
+                w.reported_hit_tokens += cached_tokens(json.loads(data).get("usage")) or 0
+            return whole(resp, data, headers)
+        finally:
+            if not handed_off:
+                w.end(pages)
+
+    # ------------------------------------------------------------------ other endpoints
+    async def models(self, request: Request) -> Response:
+        assert self.client is not None
+        for w in self.pool.workers:
+            if w.healthy and w.role != "prefill":
+                try:
+                    r = await self.client.get(w.url + "/v1/models",
+                                              headers=self._headers(request))
+                except httpx.HTTPError:
+                    continue
+                return whole(r, r.content, passed_headers(r, {}))
+        raise APIError(503, "no worker is in rotation", type="server_error", code="no_worker")
+
+    def workers_state(self) -> dict:
+        return {"policy": self.policy.name, "workers": [
+            {"url": w.url, "role": w.role, "healthy": w.healthy, "synced": w.synced, "seq": w.seq,
+             "routed": w.routed, "in_flight": w.in_flight, "active_pages": w.active_pages,
+             "index_pages": self.index.num_pages(w.url),
+             "predicted_hit_tokens": w.predicted_hit_tokens,
+             "reported_hit_tokens": w.reported_hit_tokens, "event_resets": w.event_resets}
+            for w in self.pool.workers]}
+
+    def metrics(self) -> str:
+        return render(self.pool.workers, {w.url: self.index.num_pages(w.url)
+                                          for w in self.pool.workers}, self.retries)
+
+    # ------------------------------------------------------------------ app
+    def build_app(self) -> FastAPI:
+        @contextlib.asynccontextmanager
+        async def lifespan(app: FastAPI):
+            timeout = httpx.Timeout(self.config.request_timeout_s, connect=5.0)
+            limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+            self.client = httpx.AsyncClient(timeout=timeout, limits=limits)
+            await asyncio.gather(*(self.pool.check(self.client, w) for w in self.pool.workers))
+            tasks = [asyncio.create_task(self.pool.health_loop(self.client))] + [
+                asyncio.create_task(follow(self.client, self.pool, w, self.config.events_wait_s))
+                for w in self.pool.workers]
+            yield
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await self.client.aclose()
+            self.tokens.close()
+
+        app = FastAPI(title="DeepInfer router", lifespan=lifespan, docs_url=None,
+                      redoc_url=None, openapi_url=None)
+        app.state.router = self
+
+        @app.exception_handler(APIError)
+        async def api_error(_: Request, e: APIError) -> JSONResponse:
+            return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+        @app.get("/health")
+        async def health() -> Response:
+            up = [w.url for w in self.pool.workers if w.healthy]
+            return JSONResponse({"status": "ok" if up else "no worker", "workers": up},
+                                status_code=200 if up else 503)
+
+        @app.post("/v1/chat/completions")
+        async def chat_completions(request: Request) -> Response:
+            return await self.completion(request, "chat", "/v1/chat/completions")
+
+        @app.post("/v1/completions")
+        async def completions(request: Request) -> Response:
+            return await self.completion(request, "completion", "/v1/completions")
+
+        @app.get("/v1/models")
+        async def models(request: Request) -> Response:
+            return await self.models(request)
+
+        @app.get("/router/workers")
+        async def workers() -> dict:
+            return self.workers_state()
+
+        @app.get("/metrics")
+        async def metrics() -> Response:
+            return Response(self.metrics(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+        app.add_middleware(CatchAll)
+        return app

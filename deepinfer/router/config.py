@@ -1,0 +1,94 @@
+"""Router options: the workers, the routing policy and its weights, the address.
+
+Kept free of FastAPI/uvicorn imports so the CLI can build its parser cheaply.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+
+POLICIES = ("kv", "round_robin", "least_load")
+
+
+@dataclass
+class RouterConfig:
+    workers: list[str] = field(default_factory=list)  # serve both prefill and decode
+    prefill_workers: list[str] = field(default_factory=list)  # PD: prompts computed here...
+    decode_workers: list[str] = field(default_factory=list)  # ...then generated here
+    policy: str = "kv"
+    # Cost of a worker for a request (Dynamo's KV router): overlap_weight x the prompt pages it
+    # would have to prefill + the pages of the requests it is running.
+    overlap_weight: float = 1.0
+    model: str | None = None  # the workers' model (tokenizer + chat template); None: default
+    chat_template: str | None = None  # the workers' --chat-template, if they use one
+    host: str = "127.0.0.1"
+    port: int = 8080
+    health_interval_s: float = 1.0
+    events_wait_s: float = 5.0  # long-poll duration of GET /kv/events
+    request_timeout_s: float = 600.0
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        self.workers = [u.rstrip("/") for u in self.workers]
+        self.prefill_workers = [u.rstrip("/") for u in self.prefill_workers]
+        self.decode_workers = [u.rstrip("/") for u in self.decode_workers]
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        if bool(self.prefill_workers) != bool(self.decode_workers):
+            raise ValueError("give both --prefill-worker and --decode-worker (or neither)")
+        if not self.workers and not self.prefill_workers:
+            raise ValueError("give at least one --worker URL (or --prefill-worker and "
+                             "--decode-worker)")
+        if self.workers and self.prefill_workers:
+            raise ValueError("--worker cannot be combined with --prefill-worker/--decode-worker")
+        every = self.all_workers
+        if len(set(every)) != len(every):
+            raise ValueError("a worker URL is given twice")
+        if self.overlap_weight < 0:
+            raise ValueError("overlap_weight must be >= 0")
+        if not (0 <= self.port < 65536):
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+
+    @property
+    def all_workers(self) -> list[str]:
+        return self.workers + self.prefill_workers + self.decode_workers
+
+    @property
+    def disaggregated(self) -> bool:
+        return bool(self.prefill_workers)
+
+
+def add_router_args(p: argparse.ArgumentParser) -> None:
+    d = RouterConfig  # the class attributes are the fields' defaults
+    p.add_argument("--worker", action="append", default=[], metavar="URL",
+                   help="a `deepinfer serve` worker (repeat for each)")
+    p.add_argument("--prefill-worker", action="append", default=[], metavar="URL",
+                   help="PD: a worker started with --role prefill (repeat for each)")
+    p.add_argument("--decode-worker", action="append", default=[], metavar="URL",
+                   help="PD: a worker started with --role decode (repeat for each)")
+    p.add_argument("--policy", default=d.policy, choices=POLICIES,
+                   help="kv: least prefill + load cost from the workers' KV events (default)")
+    p.add_argument("--overlap-weight", type=float, default=d.overlap_weight,
+                   help="kv cost = weight x pages to prefill + pages of running requests")
+    p.add_argument("--model", default=None,
+                   help="the workers' model path (its tokenizer and chat template hash prompts "
+                        "as the workers do; default: the built-in model)")
+    p.add_argument("--chat-template", default=None,
+                   help="the workers' --chat-template (file or text), if they use one")
+    p.add_argument("--host", default=d.host, help="address to listen on (default: loopback)")
+    p.add_argument("--port", type=int, default=d.port)
+    p.add_argument("--health-interval", type=float, default=d.health_interval_s,
+                   help="seconds between health checks of each worker")
+    p.add_argument("--log-level", default=d.log_level)
+
+
+def router_config(args: argparse.Namespace) -> RouterConfig:
+    from ..server.config import read_chat_template
+
+    return RouterConfig(workers=args.worker, prefill_workers=args.prefill_worker,
+                        decode_workers=args.decode_worker, policy=args.policy,
+                        overlap_weight=args.overlap_weight, model=args.model,
+                        chat_template=read_chat_template(args.chat_template), host=args.host,
+                        port=args.port, health_interval_s=args.health_interval,
+                        log_level=args.log_level)

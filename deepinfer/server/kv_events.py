@@ -1,0 +1,136 @@
+"""The worker's KV event stream: which pages (chained hashes) entered or left which tier.
+
+A router keeps a global prefix index from these events (as vLLM's ``--kv-events-config`` and
+Dynamo's KV router do). The radix tree tells ``KVEventLog`` (its ``TreeListener``) on the
+engine thread; the log only appends to a bounded buffer under a lock, so a slow or absent
+subscriber never holds the engine up. Every event has a sequence number; a subscriber asks
+for the events after the last one it saw. One that fell behind the buffer (or asks about a
+sequence this process never reached, e.g. after a restart) gets ``reset`` and rebuilds from
+the snapshot, which is taken on the engine thread and so is an exact cut of the stream.
+
+Endpoints: ``GET /kv/events?since=N&wait=S`` (long poll: answers as soon as there is an
+event after N, or after S seconds with none) and ``GET /kv/snapshot`` (every page held, per
+tier, the sequence number it is current to, and what a router needs to hash prompts the
+same way: the model identity and the page size).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from ..kv.radix import TIER_NAMES, RadixTree
+from .async_engine import AsyncEngine
+from .protocol import APIError
+
+MAX_WAIT_S = 30.0
+_POLL_S = 0.02  # how often a long poll looks for new events
+
+
+@dataclass(frozen=True)
+class KVEvent:
+    seq: int
+    stored: bool  # False: removed
+    tier: int
+    hashes: tuple[bytes, ...]
+
+    def to_dict(self) -> dict:
+        return {"seq": self.seq, "type": "stored" if self.stored else "removed",
+                "tier": TIER_NAMES[self.tier], "hashes": [h.hex() for h in self.hashes]}
+
+
+class KVEventLog:
+    """Bounded, numbered buffer of the tree's events (the ``TreeListener`` of one tree)."""
+
+    def __init__(self, max_events: int = 4096) -> None:
+        self.max_events = max_events
+        self._events: deque[KVEvent] = deque(maxlen=max_events)
+        self._lock = threading.Lock()
+        self.seq = 0  # the last event's number (0: none yet)
+
+    def _add(self, stored: bool, hashes: list[bytes], tier: int) -> None:
+        with self._lock:
+            self.seq += 1
+            self._events.append(KVEvent(self.seq, stored, tier, tuple(hashes)))
+
+    def stored(self, hashes: list[bytes], tier: int) -> None:
+        self._add(True, hashes, tier)
+
+    def removed(self, hashes: list[bytes], tier: int) -> None:
+        self._add(False, hashes, tier)
+
+    def since(self, seq: int) -> tuple[list[KVEvent], bool]:
+        """(events after ``seq``, reset): reset is True when some of them are no longer held
+        or ``seq`` is ahead of this log; the caller must then resync from the snapshot."""
+        with self._lock:
+            if seq > self.seq or (self._events and seq < self._events[0].seq - 1):
+                return [], True
+            if seq == self.seq:
+                return [], False
+            start = seq - self._events[0].seq + 1
+            return list(itertools.islice(self._events, start, None)), False
+
+    async def wait(self, seq: int, timeout: float) -> tuple[list[KVEvent], bool]:
+        deadline = time.monotonic() + timeout
+        while True:
+            events, reset = self.since(seq)
+            if events or reset or time.monotonic() >= deadline:
+                return events, reset
+            await asyncio.sleep(_POLL_S)
+
+
+def attach_event_log(tree: RadixTree | None, max_events: int) -> KVEventLog | None:
+    """The event log of ``tree`` (None without a prefix cache, or ``max_events`` 0)."""
+    if tree is None or max_events == 0:
+        return None
+    log = KVEventLog(max_events)
+    tree.listener = log
+    return log
+
+
+def _snapshot(aeng: AsyncEngine, log: KVEventLog) -> dict:
+    """Run on the engine thread: no event can land between the walk and ``log.seq``."""
+    kv = aeng.engine.kv
+    assert kv.tree is not None
+    by_tier: dict[str, list[str]] = {name: [] for name in TIER_NAMES}
+    for h, t in kv.tree.held_pages():
+        by_tier[TIER_NAMES[t]].append(h.hex())
+    return {"seq": log.seq, "page_size": kv.page_size, "model_identity": kv.model_identity,
+            "pages": by_tier}
+
+
+def add_kv_event_routes(app: FastAPI, aeng: AsyncEngine, log: KVEventLog | None) -> None:
+    def need_log() -> KVEventLog:
+        if log is None:
+            raise APIError(404, "this server has no prefix cache, so no KV events",
+                           type="not_found_error")
+        return log
+
+    @app.get("/kv/events")
+    async def kv_events(request: Request) -> JSONResponse:
+        lg = need_log()
+        try:
+            since = int(request.query_params.get("since", "0"))
+            wait = float(request.query_params.get("wait", "0"))
+        except ValueError:
+            raise APIError(400, "since must be an integer, wait a number of seconds",
+                           param="since") from None
+        if since < 0 or not 0 <= wait <= MAX_WAIT_S:
+            raise APIError(400, f"since must be >= 0 and wait in [0, {MAX_WAIT_S}]",
+                           param="since" if since < 0 else "wait")
+        events, reset = await lg.wait(since, wait)
+        last = events[-1].seq if events else (lg.seq if reset else since)
+        return JSONResponse({"seq": last, "reset": reset,
+                             "events": [e.to_dict() for e in events]})
+
+    @app.get("/kv/snapshot")
+    async def kv_snapshot() -> JSONResponse:
+        lg = need_log()
+        return JSONResponse(await aeng.call(lambda: _snapshot(aeng, lg)))

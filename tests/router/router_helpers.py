@@ -1,0 +1,33 @@
+"""Client-side helpers of the router tests: the router's state, the index settling, metrics."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import httpx
+
+
+def state(router_url: str) -> dict[str, dict]:
+    return {w["url"]: w for w in httpx.get(router_url + "/router/workers").json()["workers"]}
+
+
+def settle(router_url: str, worker_urls: list[str], timeout: float = 20.0) -> None:
+    """Wait until the router's index has applied every KV event the workers have emitted."""
+    t0 = time.monotonic()
+    while True:
+        st = state(router_url)
+        behind = [u for u in worker_urls
+                  if not st[u]["synced"] or
+                  st[u]["seq"] < httpx.get(u + "/kv/snapshot").json()["seq"]]
+        if not behind:
+            return
+        assert time.monotonic() - t0 < timeout, f"index of {behind} did not catch up: {st}"
+        time.sleep(0.05)
+
+
+def metric(url: str, name: str) -> float:
+    """Sum of a Prometheus metric's samples (any labels) on ``url``'s /metrics."""
+    text = httpx.get(url + "/metrics").text
+    pattern = rf"^\S*{re.escape(name)}(?:{{[^}}]*}})? (\S+)$"
+    return sum(float(v) for v in re.findall(pattern, text, re.M))
