@@ -10,7 +10,7 @@ import time
 
 import httpx
 import pytest
-from conftest import PAGE, RouterThread
+from router_procs import PAGE, RouterThread
 from deepinfer.cli import main
 from deepinfer.router import events
 from deepinfer.router.index import PrefixIndex

@@ -8,7 +8,7 @@ import subprocess
 
 import httpx
 import pytest
-from conftest import PAGE, RouterThread, free_port, spawn_worker, wait_healthy
+from router_procs import PAGE, RouterThread, free_port, spawn_worker, wait_healthy
 from router_helpers import settle, state
 
 pytest.importorskip("deepinfer.server.pd", reason="needs the workers' --role (PD) support")
