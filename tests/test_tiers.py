@@ -13,13 +13,13 @@ import sys
 import textwrap
 import threading
 import time
-import zlib
 from pathlib import Path
 
 import pytest
 import torch
 
 from deepinfer.cli import main as cli_main
+from deepinfer.kv.tiers.disk_file import PageFormat
 from deepinfer.kv.tiers.disk_store import DiskStore
 from deepinfer.kv.hashing import chain_hashes
 from deepinfer.llm import LLM
@@ -216,8 +216,8 @@ def _foreign(f: Path):
     header = json.loads(data[10 : 10 + hlen])
     header["namespace"] = "other-model-fingerprint|" + header["namespace"].split("|", 1)[1]
     h = json.dumps(header, separators=(",", ":")).encode()
-    body = data[:6] + len(h).to_bytes(4, "little") + h + data[10 + hlen : -4]
-    f.write_bytes(body + zlib.crc32(body).to_bytes(4, "little"))  # a valid tag: not damaged
+    body = data[:6] + len(h).to_bytes(4, "little") + h + data[10 + hlen : 10 + hlen + header["payload_len"]]
+    f.write_bytes(body + PageFormat(None).tag(body))  # a valid tag: not damaged
 
 
 @pytest.mark.parametrize("damage,counter", [(_flip, "cache_checksum_failures_total"),

@@ -293,6 +293,7 @@ class DiskStore(PageStore):
             self._miss(key, bad)
             return None
         self._hit(key, size, len(payload))
+        self._touch(self._file(key))
         return payload if view else bytes(payload)
 
     def read_into(self, key: str, dest: Sequence[memoryview], expect: PageId | None = None) -> bool:
@@ -308,13 +309,14 @@ class DiskStore(PageStore):
             self._miss(key, BadFile("missing" if missing else "corrupt", str(e)))
             return False
         try:
-            size = self.format.read_into(fd, key, dest, expect)
+            size, payload_len = self.format.read_into(fd, key, dest, expect)
+            self._touch(fd)
         except (BadFile, OSError) as e:
             self._miss(key, e if isinstance(e, BadFile) else BadFile("corrupt", f"unreadable: {e}"))
             return False
         finally:
             os.close(fd)
-        self._hit(key, size, sum(d.nbytes for d in dest))
+        self._hit(key, size, payload_len)
         return True
 
     def _miss(self, key: str, bad: BadFile) -> None:
@@ -327,9 +329,12 @@ class DiskStore(PageStore):
             self._add_locked(key, size)  # also adopts files written by other processes
             self._counters["hits"] += 1
             self._counters["bytes_read"] += payload_len
+
+    def _touch(self, file: int | str) -> None:
+        """mtime = now (recency, for the LRU order after a restart), if ``touch_on_hit``."""
         if self.touch_on_hit:
             try:
-                os.utime(self._file(key))
+                os.utime(file)
             except OSError:
                 pass
 

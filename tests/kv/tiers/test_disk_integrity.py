@@ -17,6 +17,7 @@ import zlib
 from pathlib import Path
 
 import pytest
+import xxhash
 
 from deepinfer.kv.tiers.disk_store import DiskStore
 from deepinfer.kv.tiers.disk_file import PREFIX, PageFormat, page_id
@@ -49,7 +50,7 @@ def rewrite(data: bytes, fmt: PageFormat, **fields) -> bytes:
     header.update(fields)
     h = json.dumps(header, separators=(",", ":")).encode()
     body = PREFIX.pack(b"DIKV", 2, len(h)) + h + data[off : off + header["payload_len"]]
-    return body + fmt.tag(body)
+    return body + fmt.tag(body, alg=header["tag_alg"])
 
 
 def test_a_file_moved_into_another_pages_place_is_a_miss(tmp_path):
@@ -204,10 +205,62 @@ def test_every_lost_write_is_counted_and_logged_rate_limited(tmp_path, monkeypat
     assert s.stats()["rejected"] == 1 and "does not fit" in caplog.text
 
 
-def test_crc_is_over_header_and_payload():
+def test_tags_are_over_header_and_payload():
     fmt = PageFormat(NS)
     head = fmt.head(key(1), 4, 4, page(1))
-    assert fmt.tag(head, b"abcd") == zlib.crc32(head + b"abcd").to_bytes(4, "little")
+    assert fmt.tag_alg == "xxh3-128"
+    assert fmt.tag(head, b"abcd") == xxhash.xxh3_128_digest(head + b"abcd")
+    assert fmt.tag(head, b"abcd", alg="crc32") == zlib.crc32(head + b"abcd").to_bytes(4, "little")
     keyed = PageFormat(NS, b"k")
     assert len(keyed.tag(head, b"abcd")) == 32 and keyed.tag(head, b"abcd") != \
         PageFormat(NS, b"j").tag(head, b"abcd")
+
+
+def _read_into(s: DiskStore, k: str, n: int, expect) -> bytes | None:
+    buf = bytearray(n)
+    mv = memoryview(buf)
+    return bytes(buf) if s.read_into(k, [mv[: n // 2], mv[n // 2 :]], expect) else None
+
+
+def test_read_into_takes_one_read_once_it_knows_the_header_length(tmp_path, monkeypatch):
+    s = DiskStore(tmp_path, 1 << 20, NS)
+    for i in range(1, 4):
+        assert s.put(key(i), bytes([i]) * 64, 4, page(i))
+    calls: list[str] = []
+    for name in ("pread", "preadv", "fstat"):
+        real = getattr(os, name)
+        monkeypatch.setattr(os, name, lambda *a, _real=real, _name=name: calls.append(_name) or _real(*a))
+    assert _read_into(s, key(1), 64, page(1)) == b"\x01" * 64
+    assert calls == ["fstat", "pread", "preadv"]  # the first: header, then the rest
+    calls.clear()
+    assert _read_into(s, key(2), 64, page(2)) == b"\x02" * 64
+    assert _read_into(s, key(3), 64, page(3)) == b"\x03" * 64
+    assert calls == ["preadv", "preadv"]  # then one read per file
+    assert s.stats()["hits"] == 3
+
+
+def test_one_read_path_checks_everything_the_two_step_path_does(tmp_path):
+    """Once the header length is known, files of other lengths, old CRC-32 files, moved, damaged
+    and lengthened files are each read or rejected as before."""
+    s = DiskStore(tmp_path, 1 << 20, NS)
+    for i in range(1, 8):
+        assert s.put(key(i), bytes([i]) * 64, 4, page(i))
+    assert _read_into(s, key(1), 64, page(1)) == b"\x01" * 64  # learns the header length
+    data = path(s, key(2)).read_bytes()
+    path(s, key(2)).write_bytes(rewrite(data, s.format, tag_alg="crc32"))  # an older file
+    assert _read_into(s, key(2), 64, page(2)) == b"\x02" * 64
+    path(s, key(3)).write_bytes(rewrite(path(s, key(3)).read_bytes(), s.format, token_count=123456))
+    assert _read_into(s, key(3), 64, page(3)) == b"\x03" * 64  # a longer header
+    moved = rewrite(path(s, key(5)).read_bytes(), s.format, key=key(4))  # same length, other page
+    path(s, key(4)).write_bytes(moved)
+    assert _read_into(s, key(4), 64, page(4)) is None
+    flipped = bytearray(path(s, key(5)).read_bytes())
+    flipped[-20] ^= 1  # in the payload
+    path(s, key(5)).write_bytes(bytes(flipped))
+    assert _read_into(s, key(5), 64, page(5)) is None
+    path(s, key(6)).write_bytes(path(s, key(6)).read_bytes() + b"x")  # one byte past the tag
+    assert _read_into(s, key(6), 64, page(6)) is None
+    assert _read_into(s, key(7), 48, page(7)) is None  # the reader's layout differs
+    st = s.stats()
+    assert (st["mismatched_files"], st["checksum_failures"], st["corrupt_files"],
+            st["foreign_files"], st["hits"]) == (1, 1, 1, 1, 3)

@@ -299,7 +299,7 @@ def test_read_into_fills_the_callers_buffers_and_checks_them_there(store: DiskSt
     payload = os.urandom(3 * 4096 + 100)
     assert store.put(key(1), payload, 16)
     header = json.loads(Path(store.path, key(1)[:2], f"{key(1)}.kv").read_bytes()[10:].split(b"}")[0] + b"}")
-    assert header["tag_alg"] == "crc32"
+    assert header["tag_alg"] == "xxh3-128"
     buf = bytearray(len(payload))
     assert store.read_into(key(1), _split(buf, [4096, 4096, 4196]))  # in pieces, like L1 buffers
     assert bytes(buf) == payload
