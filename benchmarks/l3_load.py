@@ -1,0 +1,142 @@
+"""L3 -> L1 load throughput next to a plain read of the same files (issue 17); no model needed.
+
+A SmolLM2-135M-shaped pool (30 layers, 3 KV heads x 64, page 16, fp32: 738 KB page files) and
+``--pages`` page files written through ``TierIO``. Per round, alternating, with the files in the
+page cache and then dropped from it (``posix_fadvise``): ``raw``, a plain read loop over the
+files; ``copy``, open + one ``preadv`` per file into its L1 page (the floor of a load that lands
+in place, no check); ``store``, ``DiskStore.read_into`` on one thread (read + header + tag check);
+``load``, whole ``PageLoader`` loads on the reader threads (what a request waits for). Prints
+seconds (best of the rounds) and each one's speed as a share of ``raw``.
+
+    python benchmarks/l3_load.py [--pages 520] [--codecs lossless,fp8,fp4] [--rounds 3]
+        [--readers 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tiers import drop_page_cache  # noqa: E402
+
+from deepinfer.hardware import lscpu_model  # noqa: E402
+from deepinfer.kv.layout import KVSpec  # noqa: E402
+from deepinfer.kv.pool import PagePool  # noqa: E402
+from deepinfer.kv.radix import DISK  # noqa: E402
+from deepinfer.kv.tiers.backend import LoadJob  # noqa: E402
+from deepinfer.kv.tiers.disk_file import page_id  # noqa: E402
+from deepinfer.kv.tiers.disk_store import DiskStore  # noqa: E402
+from deepinfer.kv.tiers.page_bytes import PoolTransfer  # noqa: E402
+from deepinfer.kv.tiers.tier_io import TierIO  # noqa: E402
+
+PAGE = 16
+SPECS = [KVSpec.gqa(3, 64) for _ in range(30)]  # SmolLM2-135M
+
+
+def tier_io(pool: PagePool, disk: str, codec: str, readers: int) -> TierIO:
+    return TierIO(PoolTransfer(pool), PAGE, "bench", disk_dir=disk, disk_bytes=1 << 40,
+                  disk_codec=codec, read_ahead=readers)
+
+
+def seconds(fn: Callable[[], None]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def one_codec(codec: str, n: int, rounds: int, readers: int, work: Path) -> dict[str, dict]:
+    src = PagePool(SPECS, n + 1, PAGE, torch.float32, torch.device("cpu"))
+    for b in src.owned_buffers():
+        b.copy_(torch.randn(b.shape))
+    disk = str(work / codec)
+    keys = [f"{i:032x}" for i in range(n)]
+    ids = [page_id(i.to_bytes(16, "little"), list(range(i, i + PAGE))) for i in range(n)]
+    writer = tier_io(src, disk, codec, readers)
+    for i in range(0, n, 32):
+        assert writer.device_to_disk(list(range(1 + i, 1 + min(n, i + 32))), keys[i : i + 32],
+                                     ids[i : i + 32])
+    assert writer.close()
+    store = DiskStore(disk, 1 << 40, writer.namespace)
+    files = [store._file(k) for k in keys]
+    nbytes = sum(os.path.getsize(f) for f in files)
+    dst = PagePool(SPECS, n + 1, PAGE, torch.float32, torch.device("cpu"))
+    for b in dst.owned_buffers():
+        b.fill_(1.0)  # touched: no page faults in the first round
+    tr = PoolTransfer(dst)
+    loader = tier_io(dst, disk, codec, readers)
+
+    def raw() -> None:
+        for p in files:
+            with open(p, "rb") as f:
+                while f.read(1 << 22):
+                    pass
+
+    def copy() -> None:
+        for i, p in enumerate(files):
+            fd = os.open(p, os.O_RDONLY)
+            os.preadv(fd, tr.page_views(i + 1), 0)
+            os.close(fd)
+
+    def read_into() -> None:
+        for i, k in enumerate(keys):
+            assert store.read_into(k, tr.page_views(i + 1), ids[i])
+
+    def load() -> None:
+        job = LoadJob(sources=[(DISK, k) for k in keys], source_ids=list(ids),
+                      dest=list(range(1, n + 1)))
+        loader.start_load(job)
+        while not job.done:
+            loader.wait(1.0)
+        assert job.num_loaded == n, job.num_loaded
+
+    cases = {"raw": raw, "load": load}
+    if codec == "lossless":  # the in-place floor and the one-thread check (other codecs decode)
+        cases.update(copy=copy, store=read_into)
+    out: dict[str, dict] = {}
+    for state in ("cached", "cold"):
+        best = {name: float("inf") for name in cases}
+        for _ in range(rounds):
+            for name, fn in cases.items():
+                if state == "cold":
+                    drop_page_cache(files)
+                else:
+                    raw()
+                best[name] = min(best[name], seconds(fn))
+        out[state] = {"bytes": nbytes, "seconds": best,
+                      "vs_raw": {k: best["raw"] / v for k, v in best.items()}}
+    if codec == "lossless":
+        for a, b in zip(src.owned_buffers(), dst.owned_buffers()):
+            assert torch.equal(a[1:], b[1:])  # the loads were exact
+    loader.close()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--pages", type=int, default=520)  # an 8K-token SmolLM2 prompt
+    ap.add_argument("--codecs", default="lossless,fp8,fp4")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--readers", type=int, default=4)
+    args = ap.parse_args()
+    print(f"CPU: {lscpu_model()} ({os.cpu_count()} CPUs); {args.pages} SmolLM2 page files, "
+          f"{args.readers} readers, best of {args.rounds} alternating rounds", flush=True)
+    with tempfile.TemporaryDirectory(prefix="deepinfer-l3load-") as tmp:
+        for codec in args.codecs.split(","):
+            res = one_codec(codec, args.pages, args.rounds, args.readers, Path(tmp))
+            for state, r in res.items():
+                cells = "  ".join(f"{k} {s:.3f} s ({r['vs_raw'][k]:.2f}x)"
+                                  for k, s in r["seconds"].items())
+                print(f"{codec:8s} {state:6s} {r['bytes'] / 1e6:.0f} MB: {cells}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
