@@ -35,8 +35,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from .minifloat import (E2M1, E2M1_MAX, E4M3_MAX, HAS_NATIVE_FP8, e4m3_decode, e4m3_encode,
-                        e8m0_to_float, pack_nibbles, unpack_nibbles)
+from .minifloat import (E2M1, E2M1_MAX, E4M3_MAX, HAS_NATIVE_FP8, e2m1_decode_packed,
+                        e4m3_decode, e4m3_encode, e8m0_to_float, pack_nibbles)
 
 __all__ = ["Codec", "LosslessCodec", "FP8Codec", "FP8CenteredCodec", "FP4Codec", "MXFP4Codec",
            "get_codec", "CODEC_NAMES"]
@@ -338,7 +338,7 @@ class FP4Codec(Codec):
         g = buf[:4].clone().view(torch.float32)
         packed = buf[4 : 4 + numel // 2]
         sb = e4m3_decode(buf[4 + numel // 2 :], self.native) * g
-        vals = E2M1.decode(unpack_nibbles(packed)).reshape(-1, self.block_size) * sb[:, None]
+        vals = e2m1_decode_packed(packed).reshape(-1, self.block_size) * sb[:, None]
         return _finish(vals, shape, dtype)
 
     def encode_rows(self, x: torch.Tensor) -> torch.Tensor:
@@ -362,7 +362,7 @@ class FP4Codec(Codec):
         g = buf[:, :4].contiguous().view(torch.float32)  # [n, 1]
         packed = buf[:, 4 : 4 + m // 2].reshape(-1)
         sb = (e4m3_decode(buf[:, 4 + m // 2 :], self.native) * g).reshape(-1)  # [n * nb]
-        vals = E2M1.decode(unpack_nibbles(packed)).reshape(n * nb, self.block_size) * sb[:, None]
+        vals = e2m1_decode_packed(packed).reshape(n * nb, self.block_size) * sb[:, None]
         return _finish(vals, (n, m), dtype)
 
 
@@ -400,7 +400,7 @@ class MXFP4Codec(Codec):
         numel = self._check_buf(buf, shape, dtype)
         packed, e8m0 = buf[: numel // 2], buf[numel // 2 :]
         scale = e8m0_to_float(e8m0.to(torch.int32))
-        vals = E2M1.decode(unpack_nibbles(packed)).reshape(-1, self.block_size) * scale[:, None]
+        vals = e2m1_decode_packed(packed).reshape(-1, self.block_size) * scale[:, None]
         return _finish(vals, shape, dtype)
 
     def encode_rows(self, x: torch.Tensor) -> torch.Tensor:

@@ -71,22 +71,34 @@ def encode_pages(codec: Codec, data: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([codec.encode_rows(d.reshape(n, -1)) for d in data], dim=1)
 
 
+DECODE_GROUP_ELEMENTS = 1 << 18  # values one decode call makes on CPU: they stay in cache
+
+
 def decode_pages(codec: Codec, rows: torch.Tensor, shapes: list[tuple[int, ...]],
                  dtype: torch.dtype) -> list[torch.Tensor]:
     """Inverse of ``encode_pages``: [n, page_nbytes] uint8 -> per-buffer [n, *page_shape].
     Lossless pages come back as views into ``rows`` (no copy: a buffer's bytes are a column
-    range whose offset and row stride are multiples of the element size)."""
-    n, out, off = rows.shape[0], [], 0
+    range whose offset and row stride are multiples of the element size). Other codecs decode
+    runs of same-shaped buffers in one call (each row decodes on its own, so grouping changes
+    no value), in groups of about ``DECODE_GROUP_ELEMENTS`` values on CPU, all at once on GPUs."""
+    n, out, off, i = rows.shape[0], [], 0, 0
     rows = rows.contiguous()
     view = codec.name == "lossless" and rows.shape[1] % torch.empty((), dtype=dtype).element_size() == 0
-    for s in shapes:
-        m = math.prod(s)
+    while i < len(shapes):
+        s, m = shapes[i], math.prod(shapes[i])
         b = codec.encoded_nbytes((m,), dtype)
         if view:
             out.append(rows[:, off : off + b].view(dtype).reshape(n, *s))
-        else:
-            out.append(codec.decode_rows(rows[:, off : off + b], m, dtype).reshape(n, *s))
-        off += b
+            off, i = off + b, i + 1
+            continue
+        most = DECODE_GROUP_ELEMENTS // max(1, n * m) if rows.device.type == "cpu" else len(shapes)
+        k = 1
+        while i + k < len(shapes) and shapes[i + k] == s and k < most:
+            k += 1
+        group = rows[:, off : off + k * b].reshape(n, k, b).reshape(n * k, b)
+        vals = codec.decode_rows(group, m, dtype).reshape(n, k, *s)
+        out += [vals[:, j] for j in range(k)]
+        off, i = off + k * b, i + k
     if off != rows.shape[1]:
         raise ValueError(f"page rows of {rows.shape[1]} bytes, layout needs {off}")
     return out

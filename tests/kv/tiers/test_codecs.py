@@ -11,7 +11,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
+from deepinfer.kv.tiers import page_bytes
 from deepinfer.kv.tiers.codecs import CODEC_NAMES, PAGE_AWARE, FP4Codec, FP8Codec, get_codec
+from deepinfer.kv.tiers.minifloat import E2M1, E4M3, e2m1_decode_packed, e4m3_decode
+from deepinfer.kv.tiers.page_bytes import decode_pages, encode_pages
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 QUANT = ["fp8", "fp4", "mxfp4"]
@@ -335,3 +338,37 @@ def test_fp8c_needs_whole_pages() -> None:
     x[1, 5] = float("inf")
     with pytest.raises(ValueError):
         c.encode_rows(x)
+
+
+def test_decode_tables_hold_the_direct_conversions_values() -> None:
+    """Decoding is a gather from per-code tables: for every byte, bit for bit what the direct
+    conversion (float8_e4m3fn to float32, the e4m3 / e2m1 grids) gives."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    bits = lambda t: t.view(torch.int32)  # noqa: E731 - NaN codes compare by their bits
+    assert torch.equal(bits(e4m3_decode(codes, native=True)),
+                       bits(codes.view(torch.float8_e4m3fn).float()))
+    assert torch.equal(bits(e4m3_decode(codes, native=False)), bits(E4M3.decode(codes)))
+    unpacked = torch.stack([codes & 0x0F, codes >> 4], dim=-1).reshape(-1)  # even code: low nibble
+    assert torch.equal(bits(e2m1_decode_packed(codes)), bits(E2M1.decode(unpacked)))
+    assert e4m3_decode(codes.reshape(16, 16), native=True).shape == (16, 16)
+
+
+@pytest.mark.parametrize("name", ["fp8", "fp4", "mxfp4", "fp8c"])
+def test_grouped_page_decode_equals_decoding_each_buffer(name: str, monkeypatch) -> None:
+    """decode_pages decodes runs of same-shaped buffers together: the values are those of one
+    decode per buffer, whatever the group size (mixed shapes end a run)."""
+    shapes = [(4, 2, 16)] * 3 + [(4, 1, 48)] + [(4, 2, 16)] * 4
+    g = torch.Generator().manual_seed(3)
+    data = [torch.randn(5, *s, generator=g) * 10.0 ** i for i, s in enumerate(shapes)]
+    codec = get_codec(name, page_size=4)
+    rows = encode_pages(codec, data)
+    each, off = [], 0
+    for s in shapes:
+        b = codec.encoded_nbytes((math.prod(s),), torch.float32)
+        each.append(codec.decode_rows(rows[:, off : off + b].contiguous(), math.prod(s),
+                                      torch.float32).reshape(5, *s))
+        off += b
+    for budget in (1, 5 * 128 * 2, 1 << 30):  # one buffer per call, pairs, whole runs
+        monkeypatch.setattr(page_bytes, "DECODE_GROUP_ELEMENTS", budget)
+        got = decode_pages(codec, rows, shapes, torch.float32)
+        assert all(torch.equal(a, b) for a, b in zip(got, each))
