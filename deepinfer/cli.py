@@ -80,6 +80,9 @@ def add_tier_args(p: argparse.ArgumentParser) -> None:
                    help="write_through: every cached page also goes to L3 at once; write_back: pages "
                         "go down a tier only when evicted; selective: L3 only after --selective-hits hits")
     t.add_argument("--selective-hits", type=int, default=d.selective_hits)
+    t.add_argument("--kv-idle-promote-mb", type=float, default=d.kv_idle_promote_mb,
+                   help="server: while idle, promote recent conversations' L3 pages to L2, at "
+                        "most this many MiB per idle period (0, the default: off)")
     t.add_argument("--kv-store", default=None, metavar="URL",
                    help="networked L3 shared by engines, behind the local directory: "
                         "mooncake://MASTER_HOST:PORT or redis://HOST:PORT[/DB]")
@@ -140,6 +143,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         kv_codec_host=args.kv_codec_host, kv_codec_disk=args.kv_codec_disk,
         kv_store_secret=args.kv_store_secret or None,
         cache_policy=args.cache_policy, selective_hits=args.selective_hits,
+        kv_idle_promote_mb=args.kv_idle_promote_mb,
         kv_store=args.kv_store, kv_store_options=parse_store_options(args.kv_store_option),
         speculative_config=speculative_config(args))
 

@@ -48,13 +48,16 @@ class EngineConfig:
     kv_codec_host: str = "lossless"  # lossless | fp8 | fp4 | mxfp4
     kv_codec_disk: str = "lossless"
     # Key of the L3 files' MAC (keyed BLAKE2b over header + payload): a shared directory cannot
-    # be poisoned by anyone without it. None: a CRC-32 (catches damage, not forgery).
+    # be poisoned by anyone without it. None: an XXH3-128 (catches damage, not forgery).
     kv_store_secret: str | None = field(default=None, repr=False)
     cache_policy: str = "write_through"  # write_through | write_back | selective
     # Networked L3 shared by engines (kv/tiers/store_clients.py), behind the local directory.
     kv_store: str | None = None  # mooncake://MASTER_HOST:PORT | redis://HOST:PORT[/DB]
     kv_store_options: dict[str, str] = field(default_factory=dict)  # the store's own options
     selective_hits: int = 2  # selective: lookups a prefix needs before it is written to L3
+    # While idle (server), promote the L3-only pages of recent conversations to L2, at most this
+    # many MiB per idle period (kv/tiers/promotion.py); 0 = off (the default)
+    kv_idle_promote_mb: float = 0.0
     speculative_config: SpeculativeConfig | None = None  # None: no speculative decoding
     seed: int = 0
     progress: bool = True
@@ -74,8 +77,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be one of {', '.join(CODEC_NAMES)}, got {getattr(self, name)!r}")
         if self.cache_policy not in POLICIES:
             raise ValueError(f"cache_policy must be one of {', '.join(POLICIES)}, got {self.cache_policy!r}")
-        if self.host_cache_gb < 0 or self.disk_cache_gb < 0:
-            raise ValueError("host_cache_gb and disk_cache_gb must be >= 0")
+        if self.host_cache_gb < 0 or self.disk_cache_gb < 0 or self.kv_idle_promote_mb < 0:
+            raise ValueError("host_cache_gb, disk_cache_gb and kv_idle_promote_mb must be >= 0")
         if self.kv_store is not None:
             from .kv.tiers.store_clients import check_store_url
 

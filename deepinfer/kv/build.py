@@ -124,7 +124,7 @@ def build_cache_manager(config: EngineConfig, device_kv: DeviceKV, model_identit
     c = config
     args = (device_kv.pool.allocator, c.page_size, model_identity, c.enable_prefix_cache,
             c.max_node_pages)
-    policy = TierPolicy(c.cache_policy, c.selective_hits)
+    policy = TierPolicy(c.cache_policy, c.selective_hits, int(c.kv_idle_promote_mb * 2**20))
     window = device_kv.window
     if window is None:
         return KVCacheManager(*args, tiers=tiers, policy=policy, max_loads=2 * c.max_num_seqs)

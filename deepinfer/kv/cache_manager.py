@@ -142,10 +142,13 @@ class KVCacheManager:
             self.tiers.backend.wait(timeout)
 
     def poll(self) -> None:
-        """Main-thread housekeeping: forget failed L3 writes, drop loads nobody wants."""
+        """Main-thread housekeeping (each step): forget failed L3 writes, drop loads nobody
+        wants, finish promotions (and end an idle period)."""
         if self.tiers is None:
             return
         self.tiers.poll()
+        if self.tiers.promoter is not None:
+            self.tiers.promoter.end_idle()
         if self._orphans:
             done = [j for j in self._orphans if j.done]
             self._orphans = [j for j in self._orphans if not j.done]
@@ -359,8 +362,17 @@ class KVCacheManager:
         child.num_computed_tokens = parent.num_computed_tokens
         return list(zip(own, new))
 
+    def on_idle(self) -> bool:
+        """The engine has nothing to run: promote recent conversations' L3 pages to L2
+        (``tiers/promotion.py``); True while promotions are in flight (call again soon)."""
+        if self.tiers is None or self.tiers.promoter is None:
+            return False
+        return self.tiers.promoter.on_idle()
+
     def release(self, req: Request) -> None:
         """Give back a finished, aborted or preempted request's pages (tree pages stay cached)."""
+        if self.tiers is not None and self.tiers.promoter is not None:
+            self.tiers.promoter.remember(req.page_hashes[: req.num_tree_pages])
         if self.tree is not None:
             self.tree.unlock(req.locked_node)
             self._unregister_computing(req, req.page_hashes[req.num_tree_pages :])

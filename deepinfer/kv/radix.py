@@ -203,11 +203,13 @@ class RadixTree:
             node = node.parent
 
     # ------------------------------------------------------------------ eviction
-    def evict(self, tier: int, num_pages: int, release: ReleaseFn) -> int:
+    def evict(self, tier: int, num_pages: int, release: ReleaseFn,
+              older_than: int | None = None) -> int:
         """Drop at least ``num_pages`` pages from ``tier`` (LRU leaves of that tier first).
 
         ``release(node, tier)`` is called before a node loses a tier so the caller can move
         or free the data (demote to a lower tier, free L1 pages, delete a file).
+        ``older_than``: only nodes last touched before that ``last_access`` stamp.
         Returns the number of pages dropped from ``tier`` (less if not enough evictable).
         """
         heap = self._heaps[tier]
@@ -220,6 +222,10 @@ class RadixTree:
                 self._seq += 1
                 heapq.heappush(heap, (node.last_access, self._seq, node))
                 continue
+            if older_than is not None and stamp >= older_than:  # the rest is younger still
+                self._seq += 1
+                heapq.heappush(heap, (stamp, self._seq, node))
+                break
             dropped += node.num_pages
             self._drop_tier(node, tier, release)
         return dropped

@@ -167,7 +167,10 @@ class AsyncEngine:
                 if not eng.has_unfinished():
                     if self._draining or self._stop_now:
                         break
-                    cmds.append(self._cmds.get())
+                    try:  # idle: promote recent conversations' L3 pages, woken while in flight
+                        cmds.append(self._cmds.get(timeout=0.05 if eng.kv.on_idle() else None))
+                    except queue.Empty:
+                        continue
                 while True:
                     try:
                         cmds.append(self._cmds.get_nowait())

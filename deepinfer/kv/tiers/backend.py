@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,7 +22,8 @@ from .disk_file import PageId
 
 DiskKey = str | bytes  # an L3 key (``disk_key``; the planner uses the page hash itself)
 PageSource = tuple[int, int | DiskKey]  # (tier, L2 slot or L3 key) of a page to load
-MOVES = ("device->host", "device->disk", "host->disk", "host->device", "disk->device")
+MOVES = ("device->host", "device->disk", "host->disk", "host->device", "disk->device",
+         "disk->host")
 
 
 @dataclass(eq=False)
@@ -96,6 +98,7 @@ class TierBackend(ABC):
     host_capacity: int  # L2 pages (0: no L2)
     disk_capacity: int  # L3 pages the tree may index (0: no L3)
     codec_tag: str  # the disk codec's: part of every L3 key
+    host_page_nbytes: int = 0  # bytes of one page in L2 (0: not tracked)
     moved: dict[str, int]  # pages per move (``MOVES``)
 
     def disk_key(self, page_hash: bytes) -> DiskKey:
@@ -118,6 +121,12 @@ class TierBackend(ABC):
 
     @abstractmethod
     def host_to_disk(self, slots: list[int], keys: list[DiskKey], ids: list[PageId]) -> bool: ...
+
+    # ---------------------------------------------------------------- copies up
+    @abstractmethod
+    def disk_to_host(self, keys: list[DiskKey], ids: list[PageId], slots: list[int]) -> Future:
+        """Read L3 pages into L2 ``slots`` in the background: the future's result is True once
+        all are in place, False if any could not be read (then the slots hold garbage)."""
 
     # ---------------------------------------------------------------- files and loads
     @abstractmethod
@@ -192,6 +201,13 @@ class CountingBackend(TierBackend):
     def host_to_disk(self, slots: list[int], keys: list[DiskKey], ids: list[PageId]) -> bool:
         self.moved["host->disk"] += len(slots)
         return True
+
+    def disk_to_host(self, keys: list[DiskKey], ids: list[PageId], slots: list[int]) -> Future:
+        """Completes at once."""
+        self.moved["disk->host"] += len(slots)
+        done: Future = Future()
+        done.set_result(True)
+        return done
 
     def disk_contains(self, key: DiskKey, indexed: bool = False) -> bool:
         return False

@@ -42,6 +42,7 @@ from ...log_limit import RateLimitedLog
 from ..radix import DEVICE, DISK, HOST, NUM_TIERS, TIER_NAMES, Node, RadixTree
 from .backend import LoadJob, PageSource, TierBackend
 from .disk_file import PageId, page_id
+from .promotion import IdlePromoter
 
 log = logging.getLogger(__name__)
 
@@ -53,12 +54,17 @@ POLICIES = (WRITE_THROUGH, WRITE_BACK, SELECTIVE)
 class TierPolicy:
     mode: str = WRITE_THROUGH
     selective_hits: int = 2
+    # idle-time L3 -> L2 promotion of recent conversations (``promotion.py``): bytes per idle
+    # period, 0 = off; also at most a quarter of L2's pages per period
+    idle_promote_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.mode not in POLICIES:
             raise ValueError(f"cache policy must be one of {', '.join(POLICIES)}, got {self.mode!r}")
         if self.selective_hits < 1:
             raise ValueError(f"selective_hits must be >= 1, got {self.selective_hits}")
+        if self.idle_promote_bytes < 0:
+            raise ValueError(f"idle_promote_bytes must be >= 0, got {self.idle_promote_bytes}")
 
     def write_through(self, node: Node) -> bool:
         """Write this node to L3 now (just adopted by the tree, or just hit)?"""
@@ -88,6 +94,11 @@ class TierManager:
         self.skipped_no_room = 0  # pages not written: the L3 pages the tree records are all locked
         self._log = RateLimitedLog(log)
         self._disk_nodes: dict[str, Node] = {}  # L3 key -> node recording it (to forget failed writes)
+        self.promoter: IdlePromoter | None = None
+        if policy.idle_promote_bytes and self.has_host and self.has_disk:
+            self.promoter = IdlePromoter(tree, backend, backend.host_page_nbytes,
+                                         policy.idle_promote_bytes, self.capacity[HOST] // 4,
+                                         self._room_older, self._page_ids)
 
     @property
     def has_host(self) -> bool:
@@ -169,6 +180,13 @@ class TierManager:
         if short > 0:
             self.tree.evict(tier, short, self._release_cb)
         return self.tree.pages_in_tier[tier] + n <= cap
+
+    def _room_older(self, n: int, older_than: int) -> bool:
+        """Like ``_room`` on L2, evicting only nodes last used before ``older_than``."""
+        short = self.tree.pages_in_tier[HOST] + n - self.capacity[HOST]
+        if short > 0:
+            self.tree.evict(HOST, short, self._release_cb, older_than=older_than)
+        return self.tree.pages_in_tier[HOST] + n <= self.capacity[HOST]
 
     def _release_cb(self, node: Node, tier: int) -> None:
         self.release(node, tier)
@@ -262,7 +280,9 @@ class TierManager:
             self.evicted[DISK] -= node.num_pages  # not an eviction
 
     def poll(self) -> None:
-        """Forget L3 records whose background write failed."""
+        """Forget L3 records whose background write failed; finish promotions."""
+        if self.promoter is not None:
+            self.promoter.poll()
         for key in self.backend.poll_failed_writes():
             node = self._disk_nodes.pop(key, None)
             if node is not None and node.tiers[DISK] is not None and key in node.tiers[DISK]:
@@ -274,4 +294,5 @@ class TierManager:
                 "capacity": {TIER_NAMES[t]: self.capacity[t] for t in (HOST, DISK)},
                 "stale_disk_records": self.stale_disk_records,
                 "disk_skipped_too_large": self.skipped_too_large,
-                "disk_skipped_no_room": self.skipped_no_room}
+                "disk_skipped_no_room": self.skipped_no_room,
+                "idle_promotion": self.promoter.stats() if self.promoter is not None else {}}

@@ -12,8 +12,10 @@ from .remote_store import REMOTE_COUNTERS
 def tier_fields(s: CacheStats, t: dict[str, Any]) -> dict[str, Any]:
     """``s``: the cache manager's counters; ``t``: its ``tier_stats()``. Hit tokens per tier;
     bytes read/written per lower tier; loads (count, seconds total and max); pages evicted per
-    tier; bad files on L3 by kind; every L3 write lost, by cause; pages held per tier."""
+    tier; bad files on L3 by kind; every L3 write lost, by cause; pages held per tier; idle-time
+    promotions."""
     b = t["backend"]
+    promo = t["idle_promotion"]
     disk = b.get("disk", {})
     remote = b.get("remote")
     if remote is not None:  # the networked L3 store (--kv-store)
@@ -55,4 +57,8 @@ def tier_fields(s: CacheStats, t: dict[str, Any]) -> dict[str, Any]:
             "permission": disk.get("write_errors_permission", 0),
             "other_error": disk.get("write_errors_other", 0)},
         "cache_disk_stale_tmp_removed_total": disk.get("stale_tmp_removed", 0),
+        # idle-time L3 -> L2 promotion (0 when off)
+        "cache_idle_promoted_pages_total": promo.get("promoted_pages", 0),
+        "cache_idle_promotions_dropped_total": promo.get("promotions_dropped", 0),
+        "cache_idle_periods_total": promo.get("idle_periods", 0),
     }

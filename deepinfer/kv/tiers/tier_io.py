@@ -18,6 +18,8 @@ Threads, so that neither decoding nor the scheduler waits on a copy:
   disk), never waited for. Failures are reported to the tier manager (``poll_failed_writes``).
 * loaders: ``PageLoader`` (``page_loader.py``) brings a ``LoadJob``'s pages into the L1 pages
   the cache manager reserved for it, with its own loader and reader threads.
+* promoter (one): reads L3 pages into L2 slots for the idle-time promotion
+  (``promotion.py``), transcoding where the tiers' codecs differ.
 
 On CUDA: host slots are pinned, device->host copies are ``non_blocking`` on a side stream
 whose completion the writer thread waits for, and loads decode on a side stream.
@@ -114,6 +116,7 @@ class TierIO(TierBackend):
         self._failed: deque[str] = deque()
         self._host_exec = ThreadPoolExecutor(1, thread_name_prefix="deepinfer-l2-writer")
         self._disk_exec = ThreadPoolExecutor(1, thread_name_prefix="deepinfer-l3-writer")
+        self._promote_exec = ThreadPoolExecutor(1, thread_name_prefix="deepinfer-l2-promoter")
         self._closed = False
         self.counters = dict.fromkeys(
             ["host_bytes_written", "host_bytes_read", "disk_bytes_written", "disk_bytes_read",
@@ -307,6 +310,26 @@ class TierIO(TierBackend):
             out.append(self._failed.popleft())
         return out
 
+    # ---------------------------------------------------------------- L3 -> L2
+    def disk_to_host(self, keys: list[str], ids: list[PageId], slots: list[int]) -> Future:
+        return self._promote_exec.submit(self._read_disk_to_host, keys, ids, slots)
+
+    def _read_disk_to_host(self, keys: list[str], ids: list[PageId], slots: list[int]) -> bool:
+        assert self.store is not None and self.host is not None
+        rows = torch.empty(len(keys), self.disk_page_nbytes, dtype=torch.uint8)
+        for i, (key, pid) in enumerate(zip(keys, ids)):
+            self._wait_written(key)
+            if not self.store.read_into(key, [memoryview(rows[i].numpy())], pid):
+                return False
+        if self.host_codec.tag != self.disk_codec.tag:
+            rows = encode_pages(self.host_codec, decode_pages(self.disk_codec, rows, self.shapes,
+                                                              self.dtype))
+        self.host.write_rows(slots, rows)
+        with self._lock:
+            self.moved["disk->host"] += len(slots)
+            self.counters["disk_bytes_read"] += len(keys) * self.disk_page_nbytes
+        return True
+
     # ---------------------------------------------------------------- loads
     def disk_contains(self, key: str, indexed: bool = False) -> bool:
         if self.store is None:
@@ -378,7 +401,7 @@ class TierIO(TierBackend):
         ok = self.flush(timeout)
         with self._lock:
             self._closed = True
-        for ex in (self._host_exec, self._disk_exec):
+        for ex in (self._host_exec, self._disk_exec, self._promote_exec):
             ex.shutdown(wait=ok, cancel_futures=not ok)
         self.loader.close(wait=ok)
         if self.store is not None:
