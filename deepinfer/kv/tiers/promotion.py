@@ -43,6 +43,7 @@ class IdlePromoter:
         self._room = room
         self._page_ids = page_ids
         self._recent: deque[list[bytes]] = deque(maxlen=RECENT_CHAINS)
+        self._todo: list[list[bytes]] = []  # this idle period's chains still to walk
         self._flight: list[_Promotion] = []
         self._spent = 0  # pages promoted (or in flight) this idle period
         self.counters = dict.fromkeys(["promoted_pages", "promotions", "promotions_dropped",
@@ -50,9 +51,14 @@ class IdlePromoter:
         self._idle = False
 
     def remember(self, hashes: list[bytes]) -> None:
-        """A request ended with these chain pages in the tree (its conversation so far)."""
-        if hashes:
-            self._recent.appendleft(list(hashes))
+        """A request ended with these chain pages in the tree (its conversation so far); the
+        chains it extends (earlier turns: chained hashes, so a shared last page is a prefix)
+        are forgotten."""
+        if not hashes:
+            return
+        for old in [c for c in self._recent if len(c) <= len(hashes) and hashes[len(c) - 1] == c[-1]]:
+            self._recent.remove(old)
+        self._recent.appendleft(list(hashes))
 
     def end_idle(self) -> None:
         """The engine runs a step: the next idle period gets a fresh budget."""
@@ -61,16 +67,15 @@ class IdlePromoter:
     def on_idle(self) -> bool:
         """Start promotions within this idle period's budget; True while any is in flight (call
         again soon), False when there is nothing left to do."""
-        if not self._idle:
-            self._idle, self._spent = True, 0
+        if not self._idle:  # a new period walks the remembered chains once, most recent first
+            self._idle, self._spent, self._todo = True, 0, list(self._recent)
             self.counters["idle_periods"] += 1
         self.poll()
-        while self._recent and self._spent < self.max_pages:
-            hashes = self._recent.popleft()
+        while self._todo and self._spent < self.max_pages:
+            hashes = self._todo.pop(0)
             for node in self.tree.match(hashes, touch=False, count_hit=False).path:
-                if self._spent + node.num_pages > self.max_pages:  # budget spent: the rest of
-                    self._recent.appendleft(hashes)  # this chain waits for the next period
-                    return bool(self._flight)
+                if self._spent + node.num_pages > self.max_pages:  # budget spent: the rest
+                    return bool(self._flight)  # waits for the next period
                 if node.tiers[DEVICE] is None and node.tiers[HOST] is None and \
                         node.tiers[DISK] is not None:
                     self._start(node)
