@@ -182,8 +182,23 @@ class TierManager:
         return self.tree.pages_in_tier[tier] + n <= cap
 
     def _room_older(self, n: int, older_than: int) -> bool:
-        """Like ``_room`` on L2, evicting only nodes last used before ``older_than``."""
+        """Like ``_room`` on L2, for a promotion: first drops the L2 copies of unlocked nodes
+        that L1 holds too (nothing is lost: an L1 eviction writes them again; no load is
+        reading them, loads lock their path), oldest first, then evicts only nodes last used
+        before ``older_than``."""
         short = self.tree.pages_in_tier[HOST] + n - self.capacity[HOST]
+        if short > 0:
+            stack, copies = [self.tree.root], []
+            while stack:
+                node = stack.pop()
+                stack.extend(node.children.values())
+                if node.lock_ref == 0 and node.tiers[DEVICE] is not None and node.tiers[HOST] is not None:
+                    copies.append(node)
+            for node in sorted(copies, key=lambda c: c.last_access):
+                if short <= 0:
+                    break
+                self.tree.drop_tier(node, HOST, self._release_cb)
+                short -= node.num_pages
         if short > 0:
             self.tree.evict(HOST, short, self._release_cb, older_than=older_than)
         return self.tree.pages_in_tier[HOST] + n <= self.capacity[HOST]

@@ -9,9 +9,14 @@ import time
 import pytest
 import torch
 
+from deepinfer.kv.cache_manager import KVCacheManager
 from deepinfer.kv.hashing import chain_hashes
+from deepinfer.kv.pool import PageAllocator
 from deepinfer.kv.radix import DEVICE, DISK, HOST, RadixTree
+from deepinfer.kv.tiers.backend import CountingBackend
+from deepinfer.kv.tiers.policy import WRITE_THROUGH, TierPolicy
 from deepinfer.llm import LLM
+from deepinfer.request import Request
 from deepinfer.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -131,3 +136,33 @@ def test_evict_older_than_keeps_younger_nodes():
     assert tree.evict(HOST, 2, lambda n, t: released.append(n.hashes), older_than=stamp_b) == 1
     assert released == [[b"a"]] and tree.pages_in_tier[HOST] == 1
     assert tree.evict(HOST, 1, lambda n, t: released.append(n.hashes)) == 1
+
+
+def test_promotion_takes_l2_copies_of_l1_pages_not_younger_l2_pages():
+    """Steady-state multi-turn under LRU: a conversation is L3-only once L2 holds younger
+    pages; the promotion leaves those alone and uses the L2 copies of pages L1 also holds."""
+    backend = CountingBackend(host_pages=16, disk_pages=100)
+    kv = KVCacheManager(PageAllocator(8 + 1), PS, "model", tiers=backend, max_node_pages=4,
+                        policy=TierPolicy(WRITE_THROUGH, idle_promote_bytes=1 << 30))
+    a, b, c = ([k * 1000 + i for i in range(32)] for k in (1, 2, 3))  # 8 pages each
+    for toks in (a, b, c, a):  # the second A loads from L2 (B drops to L3, C goes to L2)
+        req = Request(f"r{len(toks)}-{toks[0]}", list(toks), SamplingParams(max_tokens=1))
+        kv.prefetch(req)
+        kv.match_prefix(req)
+        assert kv.allocate(req, len(toks) - req.num_computed_tokens)
+        req.num_computed_tokens = len(toks)
+        kv.cache_pages(req)
+        kv.release(req)
+    tiers = lambda toks: [n.best_tier() for n in kv.tree.match(  # noqa: E731
+        chain_hashes(toks, PS, kv.root(None)), touch=False, count_hit=False).path]
+    assert tiers(b) == [DISK, DISK] and tiers(c) == [HOST, HOST] and set(tiers(a)) == {DEVICE}
+    c_slots = [n.tiers[HOST] for n in kv.tree.match(chain_hashes(c, PS, kv.root(None)),
+                                                     touch=False, count_hit=False).path]
+    while kv.on_idle():
+        pass
+    st = kv.tier_stats()["idle_promotion"]
+    assert st["promoted_pages"] == 4  # a quarter of L2 per idle period
+    assert tiers(b)[0] == HOST and set(tiers(a)) == {DEVICE}
+    assert [n.tiers[HOST] for n in kv.tree.match(chain_hashes(c, PS, kv.root(None)),
+                                                  touch=False, count_hit=False).path] == c_slots
+    assert backend.moved["disk->host"] == 4
