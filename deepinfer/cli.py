@@ -95,7 +95,7 @@ def add_secret_arg(p) -> None:
     p.add_argument("--kv-store-secret", default=os.environ.get("DEEPINFER_KV_STORE_SECRET"),
                    help="key of the L3 files' MAC: only files written with it are read, so a shared "
                         "directory cannot be poisoned without it (default: "
-                        "$DEEPINFER_KV_STORE_SECRET, else a plain CRC-32)")
+                        "$DEEPINFER_KV_STORE_SECRET, else a plain XXH3-128)")
 
 
 def add_speculative_args(p: argparse.ArgumentParser) -> None:
