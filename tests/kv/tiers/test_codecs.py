@@ -42,12 +42,15 @@ def out_slack(y: torch.Tensor) -> torch.Tensor:
 #       below 2^-6 (subnormals) the step is 2^-9, error <= 2^-10. Hence |x - x^| <= max(|x|/16, s/1024).
 # e2m1: grid 0,.5,1,1.5,2,3,4,6. In binade [2^e, 2^(e+1)), e >= 0, the step is 2^(e-1): error
 #       <= 2^(e-2) <= |xs|/4; below 1 the step is 0.5: error <= 0.25. Hence <= max(|x|/4, s/4).
+# Where the fp32 scale itself is subnormal it holds only 2^-149 of absolute precision, so a code c
+# decodes up to |c| * 2^-149 away on top (SUBNORMAL_SCALE_SLACK, for the largest code).
+SUBNORMAL_SCALE_SLACK = 448 * 6 * 2.0**-149
 
 
 def fp8_bound(x: torch.Tensor, y: torch.Tensor, block: int) -> torch.Tensor:
     xb = x.float().reshape(-1, block)
     s = xb.abs().amax(1, keepdim=True) / 448
-    bound = torch.maximum(xb.abs() / 16, s / 1024) * (1 + 2**-20) + s * 2**-20
+    bound = torch.maximum(xb.abs() / 16, s / 1024) * (1 + 2**-20) + s * 2**-20 + SUBNORMAL_SCALE_SLACK
     return bound.reshape(x.shape) + out_slack(y)
 
 
@@ -61,7 +64,7 @@ def fp4_bound(x: torch.Tensor, y: torch.Tensor, block: int) -> torch.Tensor:
     s = amax_b / 6
     d = torch.maximum(s / 16, g / 1024)
     bound = torch.maximum(xb.abs() / 4, (s + d) / 4) + 6 * d
-    bound = bound * (1 + 2**-18) + amax_b.max() * 2**-22
+    bound = bound * (1 + 2**-18) + amax_b.max() * 2**-22 + SUBNORMAL_SCALE_SLACK
     return bound.reshape(x.shape) + out_slack(y)
 
 
