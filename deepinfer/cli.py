@@ -105,7 +105,10 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
     s = p.add_argument_group("speculative decoding (off unless --speculative-method is given)")
     s.add_argument("--speculative-method", default=None, choices=METHODS,
                    help="ngram: prompt lookup in the request; suffix: continuations seen in "
-                        "other requests and earlier turns")
+                        "other requests and earlier turns; draft_model: --speculative-draft-model")
+    s.add_argument("--speculative-draft-model", default=None, metavar="PATH",
+                   help="a small model sharing the target's tokenizer drafts (implies "
+                        "--speculative-method draft_model)")
     s.add_argument("--speculative-num-tokens", type=int, default=d.num_tokens,
                    help="k: draft tokens per request per step (fixed-k verifies all of them)")
     s.add_argument("--speculative-scheduled", action="store_true",
@@ -116,9 +119,11 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
 
 
 def speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
-    if args.speculative_method is None:
+    method = args.speculative_method or ("draft_model" if args.speculative_draft_model else None)
+    if method is None:
         return None
-    return SpeculativeConfig(method=args.speculative_method, num_tokens=args.speculative_num_tokens,
+    return SpeculativeConfig(method=method, num_tokens=args.speculative_num_tokens,
+                             model=args.speculative_draft_model,
                              scheduled=args.speculative_scheduled,
                              ngram_min=args.speculative_ngram_min,
                              ngram_max=args.speculative_ngram_max)

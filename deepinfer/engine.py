@@ -85,10 +85,9 @@ class LLMEngine:
         self.failed_requests = 0  # requests ended by an exception in their own work
         self._errors = RateLimitedLog(log)
         self._grammars: GrammarCompiler | None = None  # built on the first constrained request
-        sc = config.speculative_config
-        self.spec = None if sc is None else build_decoder(
-            sc, self.runner, self.kv, min(self.scheduler.max_chunk, config.max_num_batched_tokens),
-            self.max_model_len, self.hf_config.vocab_size)
+        self.spec = None if config.speculative_config is None else build_decoder(
+            config, ckpt, self.runner, self.kv,
+            min(self.scheduler.max_chunk, config.max_num_batched_tokens), self.max_model_len)
 
     def shutdown(self, timeout: float | None = 60.0) -> bool:
         """Graceful stop: wait for queued L2/L3 writes to land, stop the tier threads.

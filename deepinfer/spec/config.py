@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-METHODS = ("ngram", "suffix")
+METHODS = ("ngram", "suffix", "draft_model")
 
 
 @dataclass
 class SpeculativeConfig:
-    method: str = "ngram"  # ngram: prompt lookup in the request itself; suffix: index shared by requests
+    # ngram: prompt lookup in the request itself; suffix: index shared by requests;
+    # draft_model: a small model sharing the target's tokenizer (``model``)
+    method: str = "ngram"
     num_tokens: int = 3  # k: the most draft tokens proposed (and, fixed-k, verified) per request per step
     scheduled: bool = False  # True: Algorithm 1 picks how many of each draft to verify from confidences
     ngram_min: int = 1  # shortest suffix match that yields a draft
@@ -19,6 +21,9 @@ class SpeculativeConfig:
     sps_tokens: tuple[int, ...] | None = None
     sps_steps_per_s: tuple[float, ...] | None = None
     calibration_window: int = 2000  # verification outcomes in the rolling ECE
+    model: str | None = None  # draft_model: the draft checkpoint (HF folder or .gguf)
+    draft_num_pages: int | None = None  # draft_model: its KV pool; None: as many as the target's
+    draft_quantization: str | None = None  # draft_model: none | int8 | int4; None: the target's
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -31,5 +36,15 @@ class SpeculativeConfig:
             raise ValueError("sps_tokens and sps_steps_per_s go together")
         if self.sps_tokens is not None and len(self.sps_tokens) != len(self.sps_steps_per_s or ()):
             raise ValueError("sps_tokens and sps_steps_per_s must have the same length")
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError("speculative method draft_model needs a draft model path, and a draft "
+                             "model path needs method draft_model")
+        from ..quant.kernels import QUANTIZATIONS
+
+        if self.draft_quantization not in (None, *QUANTIZATIONS):
+            raise ValueError(f"draft_quantization must be one of {', '.join(QUANTIZATIONS)}, "
+                             f"got {self.draft_quantization!r}")
+        if self.draft_num_pages is not None and self.draft_num_pages < 2:
+            raise ValueError("draft_num_pages must be >= 2")
         if self.calibration_window < 1:
             raise ValueError("calibration_window must be >= 1")

@@ -20,7 +20,7 @@ from ..request import Request
 from .calibration import Calibrator
 from .config import SpeculativeConfig
 from .counters import SpecCounters
-from .drafters import Draft, make_drafter
+from .drafters import Draft, DraftSource
 from .verify import verify
 from .verify_schedule import SpsProfile, plan_verify
 
@@ -37,14 +37,14 @@ class SpecStep:
 
 
 class SpeculativeDecoder:
-    def __init__(self, config: SpeculativeConfig, runner: ModelRunner, kv: KVCacheManager,
-                 max_span: int, max_model_len: int, sps: SpsProfile | None) -> None:
+    def __init__(self, config: SpeculativeConfig, source: DraftSource, runner: ModelRunner,
+                 kv: KVCacheManager, max_span: int, max_model_len: int, sps: SpsProfile | None) -> None:
         self.config = config
         self.runner = runner
         self.kv = kv
         self.k = min(config.num_tokens, max_span - 1)  # a verify span fits one prefill chunk
         self.max_model_len = max_model_len
-        self.drafter = make_drafter(config.method, config.ngram_min, config.ngram_max)
+        self.source = source
         self.calibrator = Calibrator(config.calibration_window)
         self.sps = sps
         self.totals = SpecCounters()
@@ -61,15 +61,16 @@ class SpeculativeDecoder:
                           self.max_model_len - req.num_tokens - 1))
 
     def _drafts(self, items: list[tuple[Request, int]], budget: int) -> dict[Request, Draft]:
+        asks = [(req, self._room(req)) for req, n in items
+                if n == 1 and req.num_computed_tokens == req.num_tokens - 1]
+        asks = [(req, room) for req, room in asks if room > 0]
         drafts: dict[Request, Draft] = {}
-        for req, n in items:
-            room = self._room(req)
-            if n == 1 and req.num_computed_tokens == req.num_tokens - 1 and room > 0:
-                d = self.drafter.propose(req.all_token_ids, room)
-                req.spec.drafted += len(d.tokens)
-                self.totals.drafted += len(d.tokens)
-                if d.tokens:
-                    drafts[req] = d
+        for (req, _), d in zip(asks, self.source.propose_batch(asks)):
+            req.spec.source = self.source.name
+            req.spec.drafted += len(d.tokens)
+            self.totals.drafted += len(d.tokens)
+            if d.tokens:
+                drafts[req] = d
         reqs = list(drafts)
         if self.sps is None or not self.config.scheduled:
             counts = [len(drafts[r].tokens) for r in reqs]
@@ -81,8 +82,7 @@ class SpeculativeDecoder:
         for req, c in zip(reqs, counts):
             c = min(c, budget)
             if c > 0 and self.kv.allocate(req, 1 + c):
-                d = drafts[req]
-                chosen[req] = Draft(d.source, d.tokens[:c], d.features[:c])
+                chosen[req] = drafts[req].head(c)
                 budget -= c
         return chosen
 
@@ -105,7 +105,7 @@ class SpeculativeDecoder:
             d = drafts.get(r)
             if d is None:
                 continue
-            tokens = verify(rows, d.tokens, r.params, self.runner.request_generator(r))
+            tokens = verify(rows, d.tokens, r.params, self.runner.request_generator(r), d.probs)
             accepted = len(tokens) - 1
             self.calibrator.update(d.source, d.features, accepted)
             for c in (r.spec, self.totals):
@@ -117,11 +117,12 @@ class SpeculativeDecoder:
                         torch.cat([rows for _, rows in plain]) if plain else None, verified)
 
     def observe(self, req: Request) -> None:
-        """A request finished: shared draft sources learn its tokens."""
-        self.drafter.observe(req.all_token_ids)
+        """A request finished: shared draft sources learn its tokens, the draft model frees
+        its KV."""
+        self.source.finished(req)
 
     def stats(self) -> dict[str, dict[str, float]]:
-        t, src = self.totals, self.config.method
+        t, src = self.totals, self.source.name
         return {
             "spec_drafted_tokens_total": {src: t.drafted},
             "spec_verified_tokens_total": {src: t.verified},

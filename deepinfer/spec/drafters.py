@@ -1,8 +1,10 @@
-"""Weight-free draft sources behind one interface.
+"""Draft sources behind one interface, and the two weight-free ones.
 
-A ``Drafter`` proposes up to k tokens to follow a sequence, with one feature per position (a
-small integer the source knows, e.g. its match length), from which the calibrator estimates the
-probability that the position survives verification.
+A ``DraftSource`` proposes up to k tokens to follow each request of a step, with one feature
+per position (a small integer the source knows, e.g. its match length), from which the
+calibrator estimates the probability that the position survives verification. Weight-free
+sources (``TokenDrafter``) draft from a request's token ids alone; the draft model
+(``draft_model.py``) runs a model over the whole batch.
 """
 
 from __future__ import annotations
@@ -12,6 +14,9 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
+import torch
+
+from ..request import Request
 
 
 @dataclass
@@ -19,21 +24,48 @@ class Draft:
     source: str
     tokens: list[int] = field(default_factory=list)
     features: list[int] = field(default_factory=list)  # one per token: the calibrator's bin key
+    # q: row j is the distribution token j was drawn from (a draft model sampling); None: each
+    # token is a point mass (weight-free sources, greedy drafting)
+    probs: torch.Tensor | None = None
+
+    def head(self, n: int) -> Draft:
+        """The first ``n`` draft tokens."""
+        return Draft(self.source, self.tokens[:n], self.features[:n],
+                     None if self.probs is None else self.probs[:n])
 
 
-class Drafter(Protocol):
+class DraftSource(Protocol):
+    name: str
+
+    def propose_batch(self, items: list[tuple[Request, int]]) -> list[Draft]:
+        """For each (request, k): up to k tokens to follow its tokens (fewer, or none, when the
+        source has nothing)."""
+        ...
+
+    def finished(self, req: Request) -> None:
+        """A request ended: learn from it, or free what was kept for it."""
+        ...
+
+
+class TokenDrafter:
+    """A weight-free source: drafts from one request's token ids at a time."""
+
     name: str
 
     def propose(self, tokens: list[int], k: int) -> Draft:
-        """Up to ``k`` tokens to follow ``tokens`` (fewer, or none, when the source has nothing)."""
-        ...
+        raise NotImplementedError
 
     def observe(self, tokens: list[int]) -> None:
         """Learn from a finished sequence (sources without memory ignore it)."""
-        ...
+
+    def propose_batch(self, items: list[tuple[Request, int]]) -> list[Draft]:
+        return [self.propose(req.all_token_ids, k) for req, k in items]
+
+    def finished(self, req: Request) -> None:
+        self.observe(req.all_token_ids)
 
 
-class NgramDrafter:
+class NgramDrafter(TokenDrafter):
     """Prompt lookup: the longest suffix of the sequence (length in [min_n, max_n]) that occurred
     earlier in the same sequence, continued by what followed its latest such occurrence.
     Feature: the match length."""
@@ -61,11 +93,8 @@ class NgramDrafter:
         cont = tokens[best_end + 1 : best_end + 1 + k]
         return Draft(self.name, cont, [best_len] * len(cont))
 
-    def observe(self, tokens: list[int]) -> None:
-        return None
 
-
-class SuffixDrafter:
+class SuffixDrafter(TokenDrafter):
     """A continuation index shared by all requests: for every context of 1..max_n tokens seen in
     finished sequences (other requests, earlier turns), how often each next token followed it.
     A draft follows the most frequent continuation of the longest known context of the current
@@ -112,7 +141,3 @@ class SuffixDrafter:
                 tok, c = counts.most_common(1)[0]
                 return tok, round(4 * c / sum(counts.values())) + 5 * (n - 1)
         return None
-
-
-def make_drafter(method: str, min_n: int, max_n: int) -> Drafter:
-    return NgramDrafter(min_n, max_n) if method == "ngram" else SuffixDrafter(min_n, max_n)

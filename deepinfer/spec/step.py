@@ -6,24 +6,37 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from ..config import EngineConfig
 from ..kv.cache_manager import KVCacheManager
+from ..loader import Checkpoint
 from ..model_runner import ModelRunner
 from ..request import Request
-from .config import SpeculativeConfig
 from .decoder import SpeculativeDecoder
+from .draft_model import build_draft_model
+from .drafters import DraftSource, NgramDrafter, SuffixDrafter
 from .profile import profile_sps
 from .verify_schedule import SpsProfile
 
 
-def build_decoder(sc: SpeculativeConfig, runner: ModelRunner, kv: KVCacheManager, span: int,
-                  max_model_len: int, vocab_size: int) -> SpeculativeDecoder:
-    """The decoder; scheduled mode takes the given steps/s profile or measures one now."""
+def build_decoder(config: EngineConfig, ckpt: Checkpoint, runner: ModelRunner, kv: KVCacheManager,
+                  span: int, max_model_len: int) -> SpeculativeDecoder:
+    """The decoder of ``config.speculative_config`` with its draft source; scheduled mode takes
+    the given steps/s profile or measures one now."""
+    sc = config.speculative_config
+    assert sc is not None
+    source: DraftSource
+    if sc.method == "draft_model":
+        source = build_draft_model(sc, config, ckpt, runner, max_model_len)
+    elif sc.method == "suffix":
+        source = SuffixDrafter(sc.ngram_min, sc.ngram_max)
+    else:
+        source = NgramDrafter(sc.ngram_min, sc.ngram_max)
     sps = None
     if sc.scheduled:
         sps = (SpsProfile(list(sc.sps_tokens), list(sc.sps_steps_per_s or ()))
                if sc.sps_tokens is not None else
-               profile_sps(runner, kv, min(span, 64), vocab_size))
-    return SpeculativeDecoder(sc, runner, kv, span, max_model_len, sps)
+               profile_sps(runner, kv, min(span, 64), ckpt.config.vocab_size))
+    return SpeculativeDecoder(sc, source, runner, kv, span, max_model_len, sps)
 
 
 def emit_verified(verified: list[tuple[Request, list[int]]], kv: KVCacheManager,
