@@ -10,7 +10,7 @@ Every numeric field of ``LLMEngine.stats()`` is exported: known fields under the
 ``ENGINE_FIELDS``; any other number as ``deepinfer:<field>`` (``deepinfer:engine_<field>`` if
 that name is taken), a counter when the field ends in ``_total``, else a gauge; a dict of
 numbers (e.g. per-tier counts) as one series per key, labelled ``tier`` when the field name
-mentions tiers, else ``key``.
+mentions tiers, ``source`` for speculative decoding's (``spec_*``), else ``key``.
 """
 
 from __future__ import annotations
@@ -63,6 +63,19 @@ ENGINE_FIELDS = {
     "cache_load_read_seconds_by_tier": ("kv_load_read_seconds_by_tier_total", "counter",
                                         "Seconds loaders spent reading and decoding prefix-hit "
                                         "KV, by tier."),
+    "spec_drafted_tokens_total": ("spec_drafted_tokens_total", "counter",
+                                  "Speculative draft tokens proposed, by draft source."),
+    "spec_verified_tokens_total": ("spec_verified_tokens_total", "counter",
+                                   "Draft tokens put in a verify span, by draft source."),
+    "spec_accepted_tokens_total": ("spec_accepted_tokens_total", "counter",
+                                   "Verified draft tokens the target model accepted, by source."),
+    "spec_verify_steps_total": ("spec_verify_steps_total", "counter",
+                                "Request-steps that verified at least one draft token, by source."),
+    "spec_mean_accepted_tokens": ("spec_mean_accepted_tokens", "gauge",
+                                  "Mean accepted draft tokens per verify step, by source."),
+    "spec_calibration_ece": ("spec_calibration_ece", "gauge",
+                             "Expected calibration error of the confidence estimates over the "
+                             "rolling window, by source."),
 }
 
 
@@ -171,7 +184,8 @@ def _engine_series(name: str, value, taken: set[str]) -> tuple[str, str, str, li
         return metric, kind, help, [(None, value)]
     if isinstance(value, dict) and value and all(
             isinstance(v, (int, float)) and not isinstance(v, bool) for v in value.values()):
-        label = "tier" if "tier" in name else ("reason" if "reason" in name else "key")
+        label = ("tier" if "tier" in name else "reason" if "reason" in name
+                 else "source" if name.startswith("spec_") else "key")
         return metric, kind, help, [({label: str(k)}, v) for k, v in sorted(value.items())]
     return None
 

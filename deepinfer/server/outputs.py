@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from ..spec.counters import SpecCounters
 from .prompts import BuiltPrompt
 from .protocol import APIError, ParsedRequest
 from .tools import ToolOutput
@@ -19,6 +20,7 @@ class Usage:
     cache_creation_tokens: int = 0  # computed prompt tokens now cached up to a cache_control mark
     prefill_worker: dict[str, int | float] | None = None  # the prompt's prefill elsewhere (pd.py)
     store_cached_tokens: int = 0  # of the disk tier's, those the networked store served
+    speculative: SpecCounters | None = None  # a request that ran with speculative decoding
 
     def to_dict(self) -> dict:
         hit = self.cached_tokens
@@ -34,6 +36,8 @@ class Usage:
         }
         if self.prefill_worker is not None:
             out["prefill_worker"] = dict(self.prefill_worker)
+        if self.speculative is not None:
+            out["speculative"] = self.speculative.to_dict()
         return out
 
 
