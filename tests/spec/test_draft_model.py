@@ -177,7 +177,7 @@ def test_cli_draft_model_flag(ckpts, capsys):
 
     args = ["generate", "one two three four five six", "--model", str(ckpts["target"]),
             "--page-size", "4", "--num-pages", "128", "--max-tokens", "12", "--host-cache-gb", "0",
-            "--no-disk-cache", "--speculative-draft-model", str(ckpts["target"])]
+            "--no-disk-cache", "--threads", "1", "--speculative-draft-model", str(ckpts["target"])]
     assert cli_main(args) == 0
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert "; speculative: " in line and " accepted (" in line

@@ -41,7 +41,8 @@ def prompts(n, length, seed=0):
 
 
 def make(path, spec=None, **kw):
-    args = dict(page_size=4, num_pages=512, max_num_batched_tokens=256, progress=False,
+    """An engine on one thread (tiny models: more threads only add sync overhead)."""
+    args = dict(page_size=4, num_pages=512, max_num_batched_tokens=256, progress=False, threads=1,
                 enable_disk_cache=False, dtype="float32", device="cpu", speculative_config=spec)
     args.update(kw)
     return LLM(str(path), **args)
@@ -180,6 +181,7 @@ def test_cli_flags_reach_the_engine_and_the_summary_line(models, capsys):
     text = "one two three four five six seven eight " * 3
     args = ["generate", text, "--model", str(models["llama"]), "--page-size", "4",
             "--num-pages", "256", "--max-tokens", "24", "--host-cache-gb", "0", "--no-disk-cache",
+            "--threads", "1",
             "--speculative-method", "ngram", "--speculative-num-tokens", "4"]
     assert cli_main(args) == 0
     line = capsys.readouterr().err.strip().splitlines()[-1]
