@@ -35,15 +35,15 @@ def verify_sampled(logits: torch.Tensor, draft: list[int], params: SamplingParam
     out: list[int] = []
     for i, d in enumerate(draft):
         u = torch.rand((), device=probs.device, generator=generator)
-        if q is None:
-            qi = torch.zeros_like(probs[i])
-            qi[d] = 1.0
-        else:
-            qi = q[i].to(probs.dtype)
-        if u * qi[d] < probs[i, d]:
+        qd = 1.0 if q is None else q[i, d]
+        if u * qd < probs[i, d]:
             out.append(d)
             continue
-        residual = (probs[i] - qi).clamp_min(0.0)
+        if q is None:  # max(p - q, 0) for a point mass on d: p without d
+            residual = probs[i].clone()
+            residual[d] = 0.0
+        else:
+            residual = (probs[i] - q[i].to(probs.dtype)).clamp_min(0.0)
         total = residual.sum()
         # p <= q everywhere means x was always kept: only rounding gets here
         residual = residual / total if total > 0 else probs[i]

@@ -1,10 +1,13 @@
 """Verification: greedy keeps the argmax path; rejection sampling keeps the target distribution."""
 
+import pytest
 import torch
 
 from deepinfer.layers.sampler import filtered_probs
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.spec.verify import verify
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_greedy_accepts_the_matching_prefix_plus_the_argmax():
