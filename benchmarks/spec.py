@@ -10,6 +10,11 @@ verified and accepted tokens, mean accepted per verify step, speed-up over off, 
 greedy output equals off's token for token.
 
     python benchmarks/spec.py [--model PATH] [--max-tokens 256] [--repeats 3] [--method ngram]
+                              [--draft-model PATH|self [--draft-quantization int4]]
+
+``--draft-model`` adds a ``draft k=4`` mode (method draft_model; ``self``: the target model as
+its own draft, e.g. int4-quantized). SmolLM2-135M has no smaller sibling available offline, so
+the default run has no draft-model mode.
 
 Writes results/spec/summary.json and prints a markdown table with the CPU model name.
 """
@@ -67,11 +72,17 @@ WORKLOADS = {
 }
 
 
-def modes(method: str) -> dict[str, SpeculativeConfig | None]:
-    return {"off": None,
-            "k=3": SpeculativeConfig(method=method, num_tokens=3),
-            "k=5": SpeculativeConfig(method=method, num_tokens=5),
-            "scheduled": SpeculativeConfig(method=method, num_tokens=8, scheduled=True)}
+def modes(method: str, draft: str | None, draft_quantization: str | None
+          ) -> dict[str, SpeculativeConfig | None]:
+    out: dict[str, SpeculativeConfig | None] = {
+        "off": None,
+        "k=3": SpeculativeConfig(method=method, num_tokens=3),
+        "k=5": SpeculativeConfig(method=method, num_tokens=5),
+        "scheduled": SpeculativeConfig(method=method, num_tokens=8, scheduled=True)}
+    if draft is not None:
+        out["draft k=4"] = SpeculativeConfig(method="draft_model", model=draft, num_tokens=4,
+                                             draft_quantization=draft_quantization)
+    return out
 
 
 def main() -> None:
@@ -80,13 +91,18 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--method", default="ngram", choices=["ngram", "suffix"])
+    ap.add_argument("--draft-model", default=None, help="adds a draft-model mode; self: the target")
+    ap.add_argument("--draft-quantization", default=None, choices=["none", "int8", "int4"])
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
     ap.add_argument("--out", default="results/spec")
     args = ap.parse_args()
     engine_args = dict(kv_cache_memory_gb=0.5, host_cache_gb=0, enable_disk_cache=False,
                        enable_prefix_cache=False, progress=False)
-    llms = {m: LLM(args.model, speculative_config=sc, **engine_args)
-            for m, sc in modes(args.method).items()}
+    llms = {"off": LLM(args.model, **engine_args)}
+    draft = str(llms["off"].engine.checkpoint_path) if args.draft_model == "self" else args.draft_model
+    for m, sc in modes(args.method, draft, args.draft_quantization).items():
+        if sc is not None:
+            llms[m] = LLM(args.model, speculative_config=sc, **engine_args)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     rows = []
     for wl in args.workloads.split(","):
@@ -119,7 +135,9 @@ def main() -> None:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "summary.json").write_text(json.dumps(dict(cpu=cpu, args=vars(args), rows=rows), indent=2))
-    print(f"CPU: {cpu}; method {args.method}, max_tokens {args.max_tokens}, repeats {args.repeats}")
+    print(f"CPU: {cpu}; method {args.method}, max_tokens {args.max_tokens}, repeats {args.repeats}"
+          + (f", draft {args.draft_model} ({args.draft_quantization or 'as the target'})"
+             if args.draft_model else ""))
     cols = list(rows[0])
     print("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols))
     for r in rows:
