@@ -4,10 +4,9 @@ Candidates (``benchmarks/quant_kernels.py`` times them against fp32 ``F.linear``
 
 - ``native``: our own CPU kernel (``quant/native.py``, ``csrc/qgemm.cpp``), built at first use:
   int8 or int4 codes in groups of 32 widened to fp32 in registers and multiplied with the fp32
-  activations as they are, for the few-row matmuls of decode; prefill-sized calls (more than
-  ``NATIVE_MAX_ROWS`` rows) de-quantize once and run ``F.linear``. Auto on CPU whenever it builds,
-  except where ``tinygemm`` is auto.
-
+  activations as they are, for the matmuls of decode (up to ``quant/linear.py``'s
+  ``NATIVE_MAX_ROWS`` rows); prefill-sized calls de-quantize once and run ``F.linear``. Auto on
+  CPU whenever it builds, except where ``tinygemm`` is auto.
 - ``fbgemm``: ``torch.ops.quantized.linear_dynamic`` on int8 weights prepacked for the x86
   quantized engine. Faster than fp32 ``F.linear`` at every M measured, but it also quantizes
   its activations (uint8, one scale per call, 7-bit range against AVX2's 16-bit overflow), and the

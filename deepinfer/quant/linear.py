@@ -19,9 +19,10 @@ from .kernels import QuantPlan, fbgemm_engine
 from .native import native_linear
 from .weights import QuantizedWeight, GROUP, quantize_int4, quantize_int8
 
-# Rows up to which the native kernel runs a call; above (prefill chunks) de-quantizing once and a
-# float matmul is faster (benchmarks/quant_kernels.py compares them at M = 1, 8, 32, 512).
-NATIVE_MAX_ROWS = 16
+# Rows up to which the native kernel runs a call (decode, spec verify, batched decode); above it
+# (prefill chunks) de-quantizing once and a float matmul is as fast or faster, as the kernel widens
+# the codes once per 4 rows (benchmarks/quant_kernels.py compares them at M = 1 .. 512).
+NATIVE_MAX_ROWS = 128
 
 
 class QuantizedLinear(SplitOutputs, nn.Module):
