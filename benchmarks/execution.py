@@ -53,7 +53,8 @@ print(time.perf_counter() - t0)
 
 
 def engine_sides(threads: int, kv_gb: float) -> dict[str, dict]:
-    """DeepInfer configurations: fp32, bf16 where the CPU has it natively, int8, int4, and the
+    """DeepInfer configurations: fp32, bf16 where the CPU has it natively, int8 and int4 (auto:
+    the native kernel on CPU where it builds; int4 from the GGUF's Q4_1 blocks directly), and the
     fast-but-lossy fbgemm int8 kernel for reference."""
     sides = {"fp32": dict(dtype="float32")}
     if cpu_isa().native_bf16:
@@ -181,7 +182,9 @@ def main() -> None:
     res["contention"] = contention_row(default, peer, gguf, threads, vocab, new_tokens, args.rounds)
     names = list(llms) + ["transformers", "llama.cpp"]
     lines = [f"CPU: {res['cpu']} ({res['isa']}), {threads} threads, best of {args.rounds} interleaved "
-             f"rounds; transformers in {hf_dtype}", ""]
+             f"rounds; transformers in {hf_dtype}",
+             "kernels: " + "; ".join(f"{k}: {v.engine.runner.quant_plan.describe()}" for k, v in llms.items()
+                                     if v.engine.runner.quant_plan.scheme != "none"), ""]
     lines += table("prefill tok/s, tokens", "tokens", res["prefill"], names) + [""]
     lines += table("decode tok/s, batch", "batch", res["decode"], names) + [""]
     lines += ["| contention (batch-1 decode) | quiet tok/s | one busy neighbour tok/s | busy / quiet |",

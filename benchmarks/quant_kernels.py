@@ -1,8 +1,11 @@
-"""Candidate quantized matmul kernels that ship with torch vs fp32 ``F.linear``, interleaved in one
-process: the measurement behind ``deepinfer/quant/kernels.py``'s choices.
+"""Candidate quantized matmul kernels (our native one, and those that ship with torch) vs fp32
+``F.linear``, interleaved in one process: the measurement behind ``deepinfer/quant/kernels.py``'s
+choices and ``quant/linear.py``'s ``NATIVE_MAX_ROWS``.
 
 Each row: one weight shape of SmolLM2-135M (N x K) and M activation rows; each cell: fp32 time /
-kernel time (> 1: the kernel is faster), best of ``--rounds`` interleaved rounds.
+kernel time (> 1: the kernel is faster), best of ``--rounds`` interleaved rounds. The ``native``
+columns call the kernel at every M (the layer itself switches to ``dequant`` above
+``NATIVE_MAX_ROWS`` rows).
 
     python benchmarks/quant_kernels.py [--threads 1] [--rounds 5] [--quick]
 """
@@ -16,10 +19,11 @@ import time
 
 import torch
 import torch.nn.functional as F
-from execution import cpu_model
 
+from deepinfer.hardware import lscpu_model
 from deepinfer.quant.kernels import QuantPlan
 from deepinfer.quant.linear import QuantizedLinear, quantize_weight
+from deepinfer.quant.native import native_kernel, native_linear
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]  # qkv, o, gate|up, down, head
 
@@ -33,8 +37,13 @@ def per_call(fn, reps: int) -> float:
 
 
 def candidates(w: torch.Tensor) -> dict:
-    """Kernel name -> (callable of x, activation dtype)."""
-    out = {"fbgemm int8 (lossy)": QuantizedLinear(quantize_weight(w, QuantPlan("int8", "fbgemm")), None,
+    """Kernel name -> callable of x (names with "bf16" take bf16 activations)."""
+    out = {}
+    if native_kernel().loaded:
+        for scheme in ("int8", "int4"):
+            q = quantize_weight(w, QuantPlan(scheme, "native"))
+            out[f"native {scheme}"] = lambda x, q=q: native_linear(x, q.codes, q.scale, q.offset, None, q.bits)
+    out |= {"fbgemm int8 (lossy)": QuantizedLinear(quantize_weight(w, QuantPlan("int8", "fbgemm")), None,
                                                   "fbgemm", [w.shape[0]])}
     for scheme in ("int8", "int4"):
         out[f"dequant {scheme}"] = QuantizedLinear(quantize_weight(w, QuantPlan(scheme, "dequant")), None,
@@ -58,14 +67,16 @@ def main() -> None:
     if args.quick:
         args.rounds, args.reps = 1, 2
     torch.set_num_threads(args.threads)
-    print(f"CPU: {cpu_model()}, torch {torch.__version__} ({torch.backends.cpu.get_cpu_capability()}), "
+    if not native_kernel().loaded:
+        print(f"native kernel: {native_kernel().error}")
+    print(f"CPU: {lscpu_model()}, torch {torch.__version__} ({torch.backends.cpu.get_cpu_capability()}), "
           f"{args.threads} thread(s); fp32 time / kernel time")
     rows = []
     with torch.inference_mode():
         for n, k in shapes:
             w = torch.randn(n, k) / k ** 0.5
             kernels = candidates(w)
-            for m in (1, 8, 32, 512):
+            for m in (1, 8, 32, 128, 512):
                 x = torch.randn(m, k)
                 xb = x.bfloat16()
                 fns = [lambda: F.linear(x, w)] + [

@@ -9,7 +9,8 @@ applies to whole rows of blocks alike). Blocks of 32 along a row (ggml layout):
 - Q4_0: fp16 ``d``, 16 bytes of nibbles: ``w = d * (q - 8)``
 - Q4_1: fp16 ``d``, fp16 ``m``, 16 bytes of nibbles: ``w = d * q + m``
 
-(byte j of the 16 holds value j in its low nibble and value j + 16 in its high one).
+(byte j of the 16 holds value j in its low nibble and value j + 16 in its high one: our int4
+packing, so Q4 nibbles are kept as they are).
 
 Under ``--quantization int4`` a Q8_0 tensor stays int8: the GGUF's maker chose 8 bits for it (as
 llama.cpp's Q4 presets do for SmolLM2's embedding, which is also its LM head), and 4 bits would
@@ -26,7 +27,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from .weights import GROUP, QuantizedWeight, pack_int4
+from .weights import GROUP, QuantizedWeight
 
 if TYPE_CHECKING:
     from ..models.base import CausalLM
@@ -57,13 +58,11 @@ def from_blocks(qtype: str, blocks: np.ndarray, bits: int) -> QuantizedWeight:
         q = b[..., 2:].contiguous().view(torch.int8).reshape(rows, -1)
         return QuantizedWeight(q, d, None, 8, GROUP)
     m = b[..., 2:4].contiguous().view(torch.float16).squeeze(-1).float() if qtype == "Q4_1" else None
-    nib = b[..., size - 16:]
-    q = torch.cat((nib & 0x0F, nib >> 4), dim=-1).reshape(rows, -1)  # uint8 0..15, column order
-    if bits == 8:
-        if m is None:  # Q4_0: symmetric
-            return QuantizedWeight((q.to(torch.int8) - 8), d, None, 8, GROUP)
-        return QuantizedWeight(q.to(torch.int8), d, m, 8, GROUP)
-    return QuantizedWeight(pack_int4(q), d, -8 * d if m is None else m, 4, GROUP)
+    nib = b[..., size - 16:].reshape(rows, -1)  # already our int4 packing
+    if bits == 4:
+        return QuantizedWeight(nib.contiguous(), d, -8 * d if m is None else m, 4, GROUP)
+    q = QuantizedWeight(nib, d, m, 4, GROUP).values().to(torch.int8)  # 0..15, column order
+    return QuantizedWeight(q - 8 if m is None else q, d, m, 8, GROUP)
 
 
 def gguf_weights(folder: Path, gguf: Path, bits: int) -> dict[str, QuantizedWeight]:

@@ -1,7 +1,12 @@
 """Which matmul kernel runs a quantized linear layer on this machine, checked at start-up.
 
-Candidates that ship with torch (``benchmarks/quant_kernels.py`` times them against fp32 ``F.linear``):
+Candidates (``benchmarks/quant_kernels.py`` times them against fp32 ``F.linear``):
 
+- ``native``: our own CPU kernel (``quant/native.py``, ``csrc/qgemm.cpp``), built at first use:
+  int8 or int4 codes in groups of 32 widened to fp32 in registers and multiplied with the fp32
+  activations as they are, for the matmuls of decode (up to ``quant/linear.py``'s
+  ``NATIVE_MAX_ROWS`` rows); prefill-sized calls de-quantize once and run ``F.linear``. Auto on
+  CPU whenever it builds, except where ``tinygemm`` is auto.
 - ``fbgemm``: ``torch.ops.quantized.linear_dynamic`` on int8 weights prepacked for the x86
   quantized engine. Faster than fp32 ``F.linear`` at every M measured, but it also quantizes
   its activations (uint8, one scale per call, 7-bit range against AVX2's 16-bit overflow), and the
@@ -26,15 +31,16 @@ from dataclasses import dataclass
 import torch
 
 from ..hardware import cpu_isa
+from .native import native_kernel
 
 QUANTIZATIONS = ("none", "int8", "int4")
-KERNELS = ("auto", "fbgemm", "tinygemm", "dequant")
+KERNELS = ("auto", "native", "fbgemm", "tinygemm", "dequant")
 
 
 @dataclass(frozen=True)
 class QuantPlan:
     scheme: str  # what the weights are stored as: none | int8 | int4
-    kernel: str  # what runs them: none | fbgemm | tinygemm | dequant
+    kernel: str  # what runs them: none | native | fbgemm | tinygemm | dequant
     note: str = ""  # why the plan differs from the request, or ""
 
     def describe(self) -> str:
@@ -56,7 +62,8 @@ def has_tinygemm_cpu() -> bool:
 
 def plan_quantization(scheme: str, kernel: str, device: torch.device, dtype: torch.dtype) -> QuantPlan:
     """The kernel for ``scheme``; ``kernel="auto"``: the fastest one that keeps activations in
-    float (``fbgemm`` is opt-in, see the module docstring). Missing kernels fall back to ``dequant``."""
+    float (``fbgemm`` is opt-in, see the module docstring). Missing kernels fall back to ``dequant``;
+    only ``native`` and ``auto`` may build the native kernel."""
     if scheme not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {scheme!r}")
     if kernel not in KERNELS:
@@ -72,12 +79,19 @@ def plan_quantization(scheme: str, kernel: str, device: torch.device, dtype: tor
         return QuantPlan("int8", "dequant", f"no fbgemm int8 kernel on this {device.type}; "
                                             "de-quantizing per matmul instead")
     tinygemm_ok = cpu and has_tinygemm_cpu() and dtype == torch.bfloat16
-    if scheme == "int4" and tinygemm_ok and (kernel == "tinygemm" or cpu_isa().native_bf16):
+    if scheme == "int4" and tinygemm_ok and (kernel == "tinygemm" or kernel == "auto" and cpu_isa().native_bf16):
         return QuantPlan("int4", "tinygemm")
     if kernel == "tinygemm":
         return QuantPlan("int4", "dequant", "tinygemm needs a CPU and --dtype bfloat16; "
                                             "de-quantizing per matmul instead")
-    note = "" if kernel == "dequant" else (
-        f"no {scheme} kernel here keeps activations in float and beats {str(dtype).removeprefix('torch.')}; "
-        "de-quantizing per matmul: smaller weights, not faster")
-    return QuantPlan(scheme, "dequant", note)
+    if kernel == "dequant":
+        return QuantPlan(scheme, "dequant")
+    if not cpu:  # e.g. CUDA: de-quantizing per matmul is the kernel there
+        asked = kernel == "native"
+        return QuantPlan(scheme, "dequant", f"the native kernel is CPU code; de-quantizing per matmul on "
+                                            f"{device.type}" if asked else "")
+    native = native_kernel()
+    if native.loaded:
+        return QuantPlan(scheme, "native")
+    return QuantPlan(scheme, "dequant", f"{native.error}; de-quantizing per matmul instead: "
+                                        "smaller weights, not faster")

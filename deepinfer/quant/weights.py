@@ -3,7 +3,9 @@
 
 - int8: codes -128..127; symmetric per output channel (``group`` = in_features, no offset) for
   fbgemm's kernel, else asymmetric groups of 32 (a finer step, free in the de-quantize path).
-- int4: asymmetric groups of 32, codes 0..15, two per byte (low nibble: even column).
+- int4: asymmetric groups of 32, codes 0..15, 16 bytes per group: byte j holds column j in its
+  low nibble and column j + 16 in its high one (GGUF's layout; the native kernel unpacks a group
+  into its columns in order with one mask and one shift).
 
 Both hold GGUF's Q4_0 (``d * (q - 8)``), Q4_1 (``d * q + m``) and, for int8, Q8_0 (``d * q``)
 blocks of 32 exactly, so those load without a round trip through float (``quant/gguf_blocks.py``).
@@ -20,7 +22,7 @@ GROUP = 32  # columns per scale: GGUF's block, and tinygemm's smallest group
 
 @dataclass
 class QuantizedWeight:
-    codes: torch.Tensor  # int8 [N, K] (bits 8) or uint8 [N, K // 2] packed (bits 4)
+    codes: torch.Tensor  # int8 [N, K] (bits 8) or uint8 [N, K // 2] packed (bits 4, see pack_int4)
     scale: torch.Tensor  # float32 [N, K // group]
     offset: torch.Tensor | None  # float32 [N, K // group]; None: symmetric
     bits: int  # 8 | 4
@@ -39,7 +41,9 @@ class QuantizedWeight:
         """The codes ``q`` unpacked, [N, K]."""
         if self.bits == 8:
             return self.codes
-        return torch.stack((self.codes & 0x0F, self.codes >> 4), dim=-1).flatten(-2)
+        n, k = self.shape
+        nibbles = self.codes.view(n, k // GROUP, GROUP // 2)
+        return torch.stack((nibbles & 0x0F, nibbles >> 4), dim=-2).view(n, k)
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         n, k = self.shape
@@ -76,8 +80,11 @@ def quantize_int4(w: torch.Tensor, group: int = GROUP) -> QuantizedWeight:
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
-    """uint8 [N, K] of values 0..15 -> uint8 [N, K // 2], low nibble = even column."""
-    return q[:, 0::2] | (q[:, 1::2] << 4)
+    """uint8 [N, K] of values 0..15 -> uint8 [N, K // 2]: per group of 32 columns, byte j holds
+    column j (low nibble) and column j + 16 (high nibble)."""
+    n, k = q.shape
+    halves = q.view(n, k // GROUP, 2, GROUP // 2)
+    return (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(n, k // 2)
 
 
 def _groups(w: torch.Tensor, group: int) -> torch.Tensor:

@@ -72,3 +72,21 @@ def test_quantized_from_float_argmax_agreement(smollm2, scheme, min_agreement):
           f"{r['ppl_tier']:.4f} ({r['ppl_change']:+.2%})")
     assert r["positions"] >= 300
     assert r["argmax_agreement"] >= min_agreement
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_native_kernel_on_the_gguf_blocks_matches_float(smollm2, scheme):
+    """Calls of up to ``NATIVE_MAX_ROWS`` rows (decode, batched decode) run the native kernel: on
+    the GGUF's own blocks its logits are the float model's up to fp32 rounding."""
+    from deepinfer.llm import LLM
+    from deepinfer.quant.linear import NATIVE_MAX_ROWS
+
+    seqs, ref, _ = smollm2
+    llm = LLM(None, **ENGINE, quantization=scheme, quantization_kernel="native")
+    if llm.engine.runner.quant_plan.kernel != "native":
+        pytest.skip(llm.engine.runner.quant_plan.note)
+    n = NATIVE_MAX_ROWS - 28  # one forward of n rows per sequence
+    for seq, r in zip(seqs, ref):
+        out = llm.engine.score([seq[:n]])[0][0]
+        assert (out - r[:n]).abs().max() <= 1e-3 * r[:n].abs().max()
+        assert (out.argmax(-1) == r[:n].argmax(-1)).float().mean() >= 0.99

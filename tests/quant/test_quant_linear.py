@@ -63,8 +63,9 @@ def test_kernels_match_the_dequantized_weight(scheme, kernel, dtype, tol):
 
 def test_plans():
     assert plan_quantization("none", "auto", CPU, torch.float32) == QuantPlan("none", "none")
-    # auto never picks fbgemm: it quantizes activations too
-    assert plan_quantization("int8", "auto", CPU, torch.float32).kernel == "dequant"
+    # auto never picks fbgemm: it quantizes activations too (tests/quant/test_native_kernel.py: what it picks)
+    assert plan_quantization("int8", "auto", CPU, torch.float32).kernel in ("native", "dequant")
+    assert plan_quantization("int8", "dequant", CPU, torch.float32) == QuantPlan("int8", "dequant")
     assert plan_quantization("int4", "auto", torch.device("cuda"), torch.bfloat16).kernel == "dequant"
     assert plan_quantization("int4", "tinygemm", CPU, torch.bfloat16).kernel == "tinygemm"
     fallback = plan_quantization("int4", "tinygemm", CPU, torch.float32)
@@ -88,6 +89,7 @@ def test_engine_quantizes_every_linear_layer_and_runs(tiny_llama, scheme):
     layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
     assert len(layers) == 2 * 4 + 1 and all(m.scheme == scheme for m in layers)  # incl. lm_head
     assert f"{scheme} weights" in llm.engine.startup_summary
-    assert f"|{scheme}-dequant" in llm.engine.model_identity
+    kernel = llm.engine.runner.quant_plan.kernel
+    assert kernel in ("native", "dequant") and f"|{scheme}-{kernel}" in llm.engine.model_identity
     out = llm.generate([[1, 5, 9, 12]], SamplingParams(max_tokens=8, temperature=0))[0]
     assert len(out.token_ids) == 8
