@@ -26,7 +26,8 @@ from .outputs import Delta, Usage
 from .cache_control import MAX_BREAKPOINTS, TTLS, CacheBreakpoint
 from .protocol import (APIError, ParsedRequest, bad, get_bool, get_int, get_num, get_str,
                        tool_request)
-from .tools import ToolCallStream, ToolOutput
+from .tools import ToolOutput
+from .tools.stream import ReplyStream
 
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use",
                 "abort": "end_turn"}
@@ -270,17 +271,22 @@ def _block_events(index: int, block: dict, delta: dict | None) -> list[str]:
     return out
 
 
+def _block_stop(index: int) -> str:
+    return _event("content_block_stop", {"type": "content_block_stop", "index": index})
+
+
 async def stream_events(rid: str, model: str, num_prompt_tokens: int,
-                        deltas: AsyncIterator[Delta], tools: ToolCallStream | None
+                        deltas: AsyncIterator[Delta], tools: ReplyStream | None
                         ) -> AsyncIterator[str]:
     """The SSE events of a streamed reply: message_start, content blocks (text deltas,
-    tool_use blocks with their input as one input_json_delta), message_delta, message_stop."""
+    tool_use blocks with their input as input_json_delta fragments), message_delta,
+    message_stop."""
     start_usage = {"input_tokens": num_prompt_tokens, "output_tokens": 0,
                    "cache_read_input_tokens": 0, "cache_creation_input_tokens": 0}
     yield _event("message_start", {"type": "message_start", "message": {
         "id": rid, "type": "message", "role": "assistant", "model": model, "content": [],
         "stop_reason": None, "stop_sequence": None, "usage": start_usage}})
-    index, text_open = 0, False
+    index, open_block = 0, None  # the block being streamed: "text" | "tool_use" | None
     async for d in deltas:
         if d.error:
             yield _event("error", {"type": "error", "error": {"type": "api_error",
@@ -288,28 +294,33 @@ async def stream_events(rid: str, model: str, num_prompt_tokens: int,
             return
         text, calls = d.text, []
         if tools is not None:
-            piece = tools.finish(d.tool_output) if d.final else tools.push(d.text)
+            piece = tools.finish(d.tool_output, d.token_ids) if d.final else \
+                tools.push(d.text, d.token_ids)
             text, calls = piece.content, piece.calls
         if text:
-            if not text_open:
+            if open_block != "text":
+                if open_block is not None:
+                    yield _block_stop(index)
+                    index += 1
                 yield _block_events(index, {"type": "text", "text": ""}, None)[0]
-                text_open = True
+                open_block = "text"
             yield _event("content_block_delta", {"type": "content_block_delta", "index": index,
                                                  "delta": {"type": "text_delta", "text": text}})
-        for _, call in calls:
-            if text_open:
-                yield _event("content_block_stop", {"type": "content_block_stop", "index": index})
-                index, text_open = index + 1, False
-            for ev in _block_events(index, {"type": "tool_use", "id": call.id, "name": call.name,
-                                            "input": {}},
-                                    {"type": "input_json_delta",
-                                     "partial_json": call.arguments_json}):
-                yield ev
-            yield _event("content_block_stop", {"type": "content_block_stop", "index": index})
-            index += 1
+        for call in calls:
+            if call.id is not None:  # a new call: its tool_use block
+                if open_block is not None:
+                    yield _block_stop(index)
+                    index += 1
+                yield _block_events(index, {"type": "tool_use", "id": call.id, "name": call.name,
+                                            "input": {}}, None)[0]
+                open_block = "tool_use"
+            if call.arguments:
+                yield _event("content_block_delta", {
+                    "type": "content_block_delta", "index": index,
+                    "delta": {"type": "input_json_delta", "partial_json": call.arguments}})
         if d.final:
-            if text_open:
-                yield _event("content_block_stop", {"type": "content_block_stop", "index": index})
+            if open_block is not None:
+                yield _block_stop(index)
             stop, seq = stop_reason(d)
             yield _event("message_delta", {"type": "message_delta",
                                            "delta": {"stop_reason": stop, "stop_sequence": seq},

@@ -44,7 +44,7 @@ from .outputs import Admitted, Delta, Submission, merge_deltas
 from .pd import PrefillWorker, check_role, prefill_counts
 from .protocol import APIError, ParsedRequest, get_str, parse_request
 from .tokenize import detokenize, tokenize
-from .tools import ToolCallStream, ToolOutput
+from .tools import StreamPiece, ToolOutput
 
 _DISCONNECTED = object()
 
@@ -145,13 +145,6 @@ class Server:
         finally:
             watcher.cancel()
 
-    def _tool_stream(self, p: ParsedRequest, rid: str) -> ToolCallStream | None:
-        """Splits a streamed reply into content and tool calls (None: no calls parsed)."""
-        if not p.tools.parse_calls:
-            return None
-        return ToolCallStream(self.async_engine.tool_parser, rid, p.tool_call_prefix,
-                              None if p.tools.parallel else 1)
-
     def watch_disconnect(self, request: Request, q: asyncio.Queue, rid: str):
         """A coroutine that aborts ``rid`` when its client goes away."""
         return _watch_disconnect(request, q, lambda: self.async_engine.abort(rid))
@@ -208,6 +201,8 @@ class Server:
             if tools is not None:
                 message = {"role": "assistant", "content": tools.content or None,
                            "tool_calls": [c.to_openai() for c in tools.calls] or None}
+                if tools.reasoning is not None:
+                    message["reasoning_content"] = tools.reasoning
             return {"index": index, "message": message,
                     "logprobs": _chat_logprobs(entries), "finish_reason": finish}
         return {"index": index, "text": text, "logprobs": _completion_logprobs(entries, 0)[0],
@@ -228,15 +223,17 @@ class Server:
         n = p.params.n
         offsets = [0] * n  # per choice: completions' logprobs text_offset
         done = False
-        tool_stream = self._tool_stream(p, rid)
+        tool_stream = self.async_engine.replies.stream(p, rid)
 
         def chunk(text: str, entries, finish: str | None, index: int = 0,
-                  role: bool = False, calls: list | None = None) -> dict:
+                  role: bool = False, piece: StreamPiece | None = None) -> dict:
             if chat:
                 delta = {"role": "assistant", "content": text} if role else (
                     {"content": text} if text or not finish else {})
-                if calls:
-                    delta["tool_calls"] = [{"index": i, **c.to_openai()} for i, c in calls]
+                if piece is not None and piece.reasoning:
+                    delta["reasoning_content"] = piece.reasoning
+                if piece is not None and piece.calls:
+                    delta["tool_calls"] = [c.to_openai() for c in piece.calls]
                 choice = {"index": index, "delta": delta, "logprobs": _chat_logprobs(entries),
                           "finish_reason": finish}
             else:
@@ -259,18 +256,19 @@ class Server:
                     yield "data: [DONE]\n\n"
                     return
                 entries = d.logprobs if p.want_logprobs else None
-                text, calls = d.text, None
+                text, piece = d.text, None
                 if tool_stream is not None:  # (tools come with n == 1)
-                    piece = tool_stream.finish(d.tool_output) if d.final else \
-                        tool_stream.push(d.text)
-                    text, calls = piece.content, piece.calls
+                    piece = tool_stream.finish(d.tool_output, d.token_ids) if d.final else \
+                        tool_stream.push(d.text, d.token_ids)
+                    text = piece.content
                 if d.usage is None:  # not the request's last delta
-                    if text or calls or entries or d.finish_reason:
-                        yield _sse(chunk(text, entries, d.finish_reason, d.index, calls=calls))
+                    if text or (piece and (piece.calls or piece.reasoning)) or entries \
+                            or d.finish_reason:
+                        yield _sse(chunk(text, entries, d.finish_reason, d.index, piece=piece))
                     continue
                 done = True
                 usage = d.usage.to_dict()
-                yield _sse({**chunk(text, entries, d.finish_reason, d.index, calls=calls),
+                yield _sse({**chunk(text, entries, d.finish_reason, d.index, piece=piece),
                             "usage": usage})
                 if p.include_usage:
                     yield _sse({**head, "choices": [], "usage": usage})
@@ -299,7 +297,7 @@ class Server:
         deltas = self._deltas(sub, q, asyncio.create_task(self.watch_disconnect(request, q, rid)))
         if parsed.stream:
             events = stream_events(rid, self.model_name, adm.num_prompt_tokens, deltas,
-                                   self._tool_stream(parsed, rid))
+                                   self.async_engine.replies.stream(parsed, rid))
             return StreamingResponse(events, headers=headers, media_type="text/event-stream")
         text = []
         async for d in deltas:

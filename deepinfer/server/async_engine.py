@@ -34,17 +34,16 @@ from ..kv.radix import DEVICE
 from ..log_limit import RateLimitedLog
 from ..request import Request
 from .cache_explain import CacheExplainer
-from ..structured.spec import StructuredOutput
 from .cache_control import PinTable, breakpoint_positions
 from .config import ServerConfig
 from .detokenize import TextStream
 from .live import Live, account, deliver, group_end, token_logprobs
 from .metrics import ServerMetrics
 from .outputs import Admitted, Delta, QueueFull, Submission, Usage
-from .prompts import BuiltPrompt, PromptBuilder
+from .prompts import BuiltPrompt
 from .shared_replies import SharedReplies
 from .protocol import APIError, ParsedRequest
-from .tools import ToolOutput, number_calls, resolve_parser
+from .replies import ReplyFormat
 
 log = logging.getLogger("deepinfer.server")
 
@@ -57,11 +56,9 @@ class AsyncEngine:
         self.config = config or ServerConfig()
         self.tokenizer = engine.tokenizer
         remote = engine.tiers.remote if engine.tiers is not None else None
-        self.builder = PromptBuilder(engine.tokenizer, engine.eos_token_ids,
-                                     self.config.reply_cache_tokens,
-                                     SharedReplies(remote) if remote is not None else None)
-        self.tool_parser = resolve_parser(self.config.tool_call_parser,
-                                          engine.tokenizer.chat_template)
+        self.replies = ReplyFormat(engine, self.config)  # the recipe or template + tool parser
+        self.builder = self.replies.builder(engine.eos_token_ids, self.config.reply_cache_tokens,
+                                            SharedReplies(remote) if remote is not None else None)
         self.metrics = ServerMetrics()
         self.pins = PinTable(engine.kv.tree, engine.kv.page_size,
                              engine.runner.pool.allocator.num_pages // 2)
@@ -239,13 +236,9 @@ class AsyncEngine:
     # ------------------------------------------------------------------ commands
     def build_prompt(self, p: ParsedRequest) -> BuiltPrompt:
         if p.kind == "chat":
-            if p.tools.tools and self.tool_parser is None:
-                raise APIError(400, "tools: the model's chat template does not render tools; "
-                                    "start the server with --chat-template FILE (a template "
-                                    "that does) or --tool-call-parser", param="tools")
             try:
-                return self.builder.chat(p.messages, p.cache_salt, p.tools.tools)
-            except RequestError:
+                return self.replies.prompt(self.builder, p)
+            except (RequestError, APIError):
                 raise
             except Exception as e:  # template errors (e.g. a role the template rejects)
                 raise APIError(400, f"messages: the chat template failed: {e}",
@@ -266,9 +259,8 @@ class AsyncEngine:
             built = sub.prompt or self.build_prompt(p)
             params = p.params
             if p.tools.forced and not params.prefill_only:  # the reply is calls, by grammar
-                schema = p.tools.call_schema(self.tool_parser.ARGS_KEY)
-                params.structured_output = StructuredOutput.lark(self.tool_parser.call_grammar(
-                    schema, p.tools.parallel, self.tokenizer.get_added_vocab()))
+                params.structured_output = self.replies.constraint(
+                    p, self.tokenizer.get_added_vocab())
             if p.max_tokens is None:  # the rest of the context
                 params.max_tokens = max(1, eng.max_model_len - len(built.token_ids))
             req = eng.add_request(built.token_ids, params, sub.request_id, p.cache_salt)
@@ -390,9 +382,11 @@ class AsyncEngine:
         p = live.sub.parsed
         for pos, mark in zip(live.breakpoints, p.cache_breakpoints):
             self.pins.pin(req.page_hashes, pos, mark.ttl_s)
-        tools = self._parse_tool_calls(p, req.request_id, out.text)
+        tools = self.replies.final(p, req.request_id, out.text, list(req.output_token_ids))
         if p.kind == "chat" and live.prompt.key_state is not None and req.output_token_ids:
             message = {"role": "assistant", "content": tools.content if tools else out.text}
+            if tools and tools.reasoning is not None:
+                message["reasoning_content"] = tools.reasoning
             if tools and tools.calls:
                 message["tool_calls"] = [c.to_message() for c in tools.calls]
             self.builder.remember(live.prompt.key_state, req.prompt_token_ids,
@@ -414,14 +408,6 @@ class AsyncEngine:
         for d in group_end(root, req.group, final, ranked, self.tokenizer,
                              self.engine.output_text):
             self._post(root, d)
-
-    def _parse_tool_calls(self, p: ParsedRequest, request_id: str, text: str) -> ToolOutput | None:
-        if not p.tools.parse_calls:
-            return None
-        out = self.tool_parser.parse(text)
-        out.calls = number_calls(out.calls, request_id, p.tool_call_prefix,
-                                 None if p.tools.parallel else 1)
-        return out
 
     def _account(self, live: Live, reason: str, computed_tokens: int) -> Usage:
         usage = account(live, reason, self.metrics, self.engine.kv.page_size)

@@ -98,12 +98,14 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-worker", action="append", default=[], metavar="URL",
                    help="--role prefill: decode worker to forward requests to after their "
                         "prefill (repeatable: round-robin)")
-    from .tools.parsers import PARSERS
+    from .tools.parsers import DSML_PARSER, PARSERS
 
     p.add_argument("--chat-template", default=None,
                    help="chat template replacing the checkpoint's: a file, or the template text")
-    p.add_argument("--tool-call-parser", default="auto", choices=["auto", *sorted(PARSERS)],
-                   help="how replies are parsed into tool calls (default: from the chat template)")
+    p.add_argument("--tool-call-parser", default="auto",
+                   choices=["auto", *sorted([*PARSERS, DSML_PARSER])],
+                   help="how replies are parsed into tool calls (default: from the chat template; "
+                        f"DeepSeek-V4 checkpoints: {DSML_PARSER}, through deepseek-recipe)")
     p.add_argument("--generation-config", default=d.generation_config,
                    help="request defaults (temperature, top_p, top_k, min_p, max_new_tokens): "
                         "auto (the model's generation_config.json), vllm (built-in defaults), or "

@@ -28,6 +28,7 @@ from ..limits import INT64_MAX, INT64_MIN, SEED_MAX, SEED_MIN, encodable, is_int
 from ..sampling_params import SamplingParams
 from ..structured.spec import StructuredOutput
 from .cache_control import CacheBreakpoint
+from .thinking import Thinking, parse_thinking
 from .tools.request import ToolRequest, parse_tool_request, tool_message_fields
 
 
@@ -284,6 +285,8 @@ def normalize_messages(v: Any) -> list[dict]:
             tools = tool_message_fields(m, where)
         except RequestError as e:
             raise APIError.from_request_error(e) from None
+        if role == "assistant" and isinstance(m.get("reasoning_content"), str):
+            tools["reasoning_content"] = m["reasoning_content"]  # DeepSeek: a tool loop's reasoning
         out.append({"role": role, "content": content, **tools})
     return out
 
@@ -307,6 +310,7 @@ class ParsedRequest:
     tools: ToolRequest = field(default_factory=ToolRequest)
     tool_call_prefix: str = "call_"  # ids of parsed tool calls (the Anthropic API: "toolu_")
     cache_breakpoints: list[CacheBreakpoint] = field(default_factory=list)  # Anthropic API
+    thinking: Thinking = field(default_factory=Thinking)  # read by the DeepSeek-V4 encoding
 
     @property
     def prompt_field(self) -> str:
@@ -315,8 +319,12 @@ class ParsedRequest:
 
 def tool_request(body: dict) -> ToolRequest:
     """``tools``, ``tool_choice``, ``parallel_tool_calls`` (``tools/request.py``); 400 if bad."""
+    return _request_field(parse_tool_request, body)
+
+
+def _request_field(parse, body: dict):
     try:
-        return parse_tool_request(body)
+        return parse(body)
     except RequestError as e:
         raise APIError.from_request_error(e) from None
 
@@ -432,4 +440,5 @@ def parse_request(body: dict, kind: str, defaults: dict | None = None) -> Parsed
                          max_tokens_field=mt_field, messages=messages, prompt=prompt,
                          stream=stream, include_usage=include_usage, cache_salt=salt,
                          user=get_str(body, "user"), want_logprobs=want, tools=tools,
-                         structured_field="tool_choice" if tools.forced else "response_format")
+                         structured_field="tool_choice" if tools.forced else "response_format",
+                         thinking=_request_field(parse_thinking, body) if chat else Thinking())

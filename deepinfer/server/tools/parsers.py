@@ -17,15 +17,22 @@ import json
 import re
 from dataclasses import dataclass
 
+from .partial_json import partial_call, written_arguments
+
 
 @dataclass
 class ToolCall:
     name: str
     arguments: dict
     id: str = ""  # set by ``number_calls``
+    arguments_text: str | None = None  # the arguments as the model wrote them (valid JSON)
 
     @property
     def arguments_json(self) -> str:
+        """The arguments as sent to the client: as written (so streamed fragments add up to
+        it), else re-serialized."""
+        if self.arguments_text is not None:
+            return self.arguments_text
         return json.dumps(self.arguments, ensure_ascii=False)
 
     def to_openai(self) -> dict:
@@ -42,6 +49,7 @@ class ToolCall:
 class ToolOutput:
     content: str  # text outside the calls ("" when the reply is only calls)
     calls: list[ToolCall]
+    reasoning: str | None = None  # a thinking model's reasoning (DeepSeek-V4), apart from content
 
 
 def number_calls(calls: list[ToolCall], request_id: str, prefix: str = "call_",
@@ -50,8 +58,12 @@ def number_calls(calls: list[ToolCall], request_id: str, prefix: str = "call_",
     response and the remembered reply all name a call the same without sharing state."""
     calls = calls[:limit]
     for i, c in enumerate(calls):
-        c.id = prefix + hashlib.blake2b(f"{request_id}:{i}".encode(), digest_size=12).hexdigest()
+        c.id = call_id(request_id, i, prefix)
     return calls
+
+
+def call_id(request_id: str, index: int, prefix: str = "call_") -> str:
+    return prefix + hashlib.blake2b(f"{request_id}:{index}".encode(), digest_size=12).hexdigest()
 
 
 class ToolParser:
@@ -79,8 +91,15 @@ class ToolParser:
         starts in it), so a stream can send it before the reply is complete."""
         raise NotImplementedError
 
+    def partial_call(self, text: str) -> tuple[str, str] | None:
+        """(name, arguments written so far) of the call a growing reply ends inside, after
+        the calls ``parse(text, final=False)`` returns; None if it ends inside none (or the
+        call's name is not complete yet). The arguments are a prefix of the call's
+        ``arguments_text`` once complete."""
+        raise NotImplementedError
 
-def _call_from(obj: object, args_key: str) -> ToolCall | None:
+
+def _call_from(obj: object, args_key: str, obj_text: str = "") -> ToolCall | None:
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
         return None
     args = obj.get(args_key, obj.get("arguments", {}))
@@ -91,7 +110,8 @@ def _call_from(obj: object, args_key: str) -> ToolCall | None:
             return None
     if not isinstance(args, dict):
         return None
-    return ToolCall(obj["name"], args)
+    key = args_key if args_key in obj else "arguments"
+    return ToolCall(obj["name"], args, arguments_text=written_arguments(obj_text, key, args))
 
 
 def _held_prefix(text: str, marker: str) -> int:
@@ -140,10 +160,16 @@ class HermesParser(ToolParser):
         i = text.find(self.START)
         return i if i >= 0 else len(text) - _held_prefix(text, self.START)
 
+    def partial_call(self, text: str) -> tuple[str, str] | None:
+        i = text.rfind(self.START)
+        if i < 0 or self.END in text[i:]:
+            return None
+        return partial_call(text[i + len(self.START):], "arguments")
+
     @staticmethod
     def _decode(body: str) -> ToolCall | None:
         try:
-            return _call_from(json.loads(body.strip()), "arguments")
+            return _call_from(json.loads(body.strip()), "arguments", body.strip())
         except ValueError:
             return None
 
@@ -160,25 +186,44 @@ class Llama3JsonParser(ToolParser):
         return f'start: call ("; " call)*\ncall: {call}' if parallel else f"start: {call}"
 
     def parse(self, text: str, final: bool = True) -> ToolOutput:
-        body = text.strip()
-        if body.startswith(self.TAG):
-            body = body[len(self.TAG):].lstrip()
-        if not final or not body.startswith("{"):
+        """While the reply grows (``final=False``), the calls complete so far: a reply that
+        starts as calls is streamed as calls (the family's format decides only at the end)."""
+        body = self._body(text)
+        if not body.startswith("{"):
             return ToolOutput("" if self._starts_call(text) else text.strip(), [])
+        calls, i = self._complete_calls(body)
+        if final and i < len(body):
+            return ToolOutput(text.strip(), [])
+        return ToolOutput("", calls)
+
+    def partial_call(self, text: str) -> tuple[str, str] | None:
+        body = self._body(text)
+        if not body.startswith("{"):
+            return None
+        _, i = self._complete_calls(body)
+        rest = body[i:]
+        return partial_call(rest, self.ARGS_KEY) or partial_call(rest, "arguments")
+
+    def _body(self, text: str) -> str:
+        body = text.strip()
+        return body[len(self.TAG):].lstrip() if body.startswith(self.TAG) else body
+
+    def _complete_calls(self, body: str) -> tuple[list[ToolCall], int]:
+        """The calls at the start of ``body`` and where the rest (not a call) begins."""
         calls, i = [], 0
         while i < len(body):
             try:
                 obj, end = self._decoder.raw_decode(body, i)
             except ValueError:
-                return ToolOutput(text.strip(), [])
-            call = _call_from(obj, "parameters")
+                break
+            call = _call_from(obj, "parameters", body[i:end])
             if call is None:
-                return ToolOutput(text.strip(), [])
+                break
             calls.append(call)
             i = end
             while i < len(body) and body[i] in " \t\r\n;":
                 i += 1
-        return ToolOutput("", calls)
+        return calls, i
 
     def content_end(self, text: str) -> int:
         return 0 if self._starts_call(text) else len(text)
@@ -209,6 +254,8 @@ def _join_content(pieces: list[str]) -> str:
 
 
 PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (HermesParser, Llama3JsonParser)}
+# DeepSeek-V4's DSML: parsed from token ids by deepseek-recipe (``server/deepseek_encoding.py``)
+DSML_PARSER = "deepseek_v4"
 
 
 def get_parser(name: str) -> ToolParser:

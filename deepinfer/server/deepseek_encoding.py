@@ -1,0 +1,228 @@
+"""DeepSeek-V4 / V4.1 chats through ``deepseek-recipe``: prompts in the official encoding's exact
+token ids, replies parsed by its ``StreamProcessor`` into reasoning, content and DSML tool calls.
+
+Chosen for a ``DeepseekV4ForCausalLM`` checkpoint (V4.1 when its config has ``kv_source_layers``)
+unless ``--tool-call-parser`` names another family; ``--tool-call-parser deepseek_v4`` forces it.
+Other models keep their HF chat templates (``prompts.py``, ``tools/``).
+
+A request goes through the recipe's own OpenAI conversion (``ChatCompletionRequest.convert``), so
+thinking on/off, ``reasoning_effort``, ``tool_choice`` and missing reasoning in history follow
+DeepSeek's API exactly; its errors are 400s. The reply is parsed from token ids (DSML markers and
+``</think>`` are special tokens, which the text stream leaves out).
+
+Prefix stability: a remembered reply's generated ids are kept in the next turn's prompt when the
+official encoding renders that reply back to the same text (tool loops, non-thinking turns). In a
+thinking-mode chat the official encoding drops the reasoning of replies before the last user
+message, so that turn hits up to the reply's start only (``history_rewritten``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import deepseek_recipe as dr
+
+from ..errors import RequestError
+from .prompts import BuiltPrompt, PromptBuilder, _hasher, _message_bytes, reply_key
+from .shared_replies import SharedReplies
+from .thinking import Thinking
+from .tools import ToolCall, ToolOutput, ToolRequest
+from .tools.parsers import DSML_PARSER, call_id
+from .tools.stream import CallDelta, StreamPiece
+
+_ALIAS = "deepinfer"  # the model name conversion is given (the server checks the client's)
+_FIELDS = ("reasoning_effort", "tool_choice", "thinking", "tools", "stop")
+
+
+def recipe_version(config: dict) -> dr.ModelVersion | None:
+    """The recipe's model version for a checkpoint's ``config.json``; None if not DeepSeek-V4."""
+    if "DeepseekV4ForCausalLM" not in (config.get("architectures") or []):
+        return None
+    v41 = "kv_source_layers" in config or config.get("model_type") == "deepseek_v41"
+    return dr.ModelVersion.DeepseekV41Flash if v41 else dr.ModelVersion.DeepseekV4Pro
+
+
+def use_recipe(parser: str | None, config: dict) -> dr.ModelVersion | None:
+    """The version to render with (``parser``: ``--tool-call-parser``), or None for the HF
+    template path."""
+    version = recipe_version(config)
+    if parser == DSML_PARSER:
+        return version or dr.ModelVersion.DeepseekV4Pro
+    return version if parser in (None, "auto") else None
+
+
+def _openai_message(m: dict) -> dict:
+    """A normalized message in the shape the recipe's conversion reads."""
+    role = "system" if m["role"] == "developer" else m["role"]
+    out = {"role": role, "content": m["content"]}
+    if role == "assistant":
+        if m.get("reasoning_content") is not None:
+            out["reasoning_content"] = m["reasoning_content"]
+        if m.get("tool_calls"):
+            out["tool_calls"] = [
+                {"id": c["id"], "type": "function",
+                 "function": {"name": c["function"]["name"],
+                              "arguments": json.dumps(c["function"]["arguments"],
+                                                      ensure_ascii=False)}}
+                for c in m["tool_calls"]]
+    elif role == "tool":
+        out["tool_call_id"] = m["tool_call_id"]
+    return out
+
+
+class DeepseekChat:
+    """The recipe for one checkpoint: requests -> conversations -> ids, reply ids -> pieces."""
+
+    def __init__(self, checkpoint: Path, version: dr.ModelVersion) -> None:
+        self.tokenizer = dr.Tokenizer.from_file(str(checkpoint / "tokenizer.json"))
+        enc = dr.DeepseekV41Encoding() if version == dr.ModelVersion.DeepseekV41Flash \
+            else dr.DeepseekV4Encoding()
+        self.encoding = enc.with_tokenizer(self.tokenizer)
+        self.options = dr.ConversionOptions().with_model_alias(_ALIAS, version)
+
+    def convert(self, messages: list[dict], tools: ToolRequest, thinking: Thinking,
+                stop: list[str] | None = None) -> dr.ConversationRequest:
+        body: dict = {"model": _ALIAS, "messages": [_openai_message(m) for m in messages]}
+        if tools.tools:
+            body["tools"] = tools.tools
+            body["tool_choice"] = tools.choice if tools.choice != "function" else \
+                {"type": "function", "function": {"name": tools.function_name}}
+        if thinking.enabled is not None:
+            body["thinking"] = {"type": "enabled" if thinking.enabled else "disabled"}
+        if thinking.effort is not None:
+            body["reasoning_effort"] = thinking.effort
+        if stop:
+            body["stop"] = stop
+        try:
+            return dr.ChatCompletionRequest(body).convert(self.options)
+        except (ValueError, dr.ConversionError) as e:
+            msg = str(e)
+            raise RequestError(next((f for f in _FIELDS if f in msg), "messages"), msg) from None
+
+    def encode(self, request: dr.ConversationRequest) -> list[int]:
+        return list(self.encoding.encode(request.conversation))
+
+    def reply_stream(self, request: dr.ConversationRequest, request_id: str,
+                     prefix: str = "call_", limit: int | None = None) -> DeepseekReplyStream:
+        return DeepseekReplyStream(self, request, request_id, prefix, limit)
+
+    def parse(self, request: dr.ConversationRequest, token_ids: list[int], request_id: str,
+              prefix: str = "call_", limit: int | None = None) -> ToolOutput:
+        """A whole reply: reasoning, content and calls, as the stream of it adds up to."""
+        stream = self.reply_stream(request, request_id, prefix, limit)
+        pieces = [stream.push("", token_ids), stream.finish(None, [])]
+        content = "".join(p.content for p in pieces)
+        reasoning = "".join(p.reasoning for p in pieces)
+        calls: dict[int, list[str]] = {}
+        for d in (d for p in pieces for d in p.calls):
+            name_args = calls.setdefault(d.index, ["", ""])
+            name_args[0] += d.name or ""
+            name_args[1] += d.arguments
+        out = []
+        for i in sorted(calls):
+            name, text = calls[i]
+            try:
+                args = json.loads(text)
+            except ValueError:
+                args = None
+            call = ToolCall(name, args if isinstance(args, dict) else {}, arguments_text=text)
+            call.id = call_id(request_id, i, prefix)
+            out.append(call)
+        return ToolOutput(content, out, reasoning if stream.thinking else None)
+
+
+class DeepseekReplyStream:
+    """Reply token ids -> content, reasoning and ``tool_calls`` deltas (arguments as the
+    processor emits them, token by token); call ids from (request id, index) as elsewhere."""
+
+    def __init__(self, chat: DeepseekChat, request: dr.ConversationRequest, request_id: str,
+                 prefix: str, limit: int | None) -> None:
+        options = request.parsing_options
+        self.thinking = options.thinking_initial_stage is not None
+        gen = dr.ChatCompletionRequest.chunk_generator(request, request_id, _ALIAS)
+        self._proc = dr.StreamProcessor(gen, options, chat.tokenizer)
+        self._proc.push(dr.InferenceChunk.ready())  # the role chunk: the server sends its own
+        self.request_id, self.prefix, self.limit = request_id, prefix, limit
+
+    def push(self, text: str, token_ids: list[int]) -> StreamPiece:
+        """``text`` is not read: DSML markers are special tokens, so the ids are parsed."""
+        if not token_ids:
+            return StreamPiece()
+        return self._piece(self._proc.push(dr.InferenceChunk.tokens(list(token_ids))))
+
+    def finish(self, final: ToolOutput | None, token_ids: list[int]) -> StreamPiece:
+        """The last ids and whatever the processor held back (``final`` is not needed: this
+        stream's own parse is the final one)."""
+        chunks = list(self._proc.push(dr.InferenceChunk.tokens(list(token_ids)))) \
+            if token_ids else []
+        if not self._proc.finished:
+            chunks += self._proc.push(dr.InferenceChunk.finish(dr.InferenceFinishReason.Stop))
+            chunks += self._proc.finish()
+        return self._piece(chunks)
+
+    def _piece(self, chunks) -> StreamPiece:
+        piece = StreamPiece()
+        for chunk in chunks:
+            for choice in json.loads(chunk.to_json())["choices"]:
+                delta = choice.get("delta") or {}
+                piece.content += delta.get("content") or ""
+                piece.reasoning += delta.get("reasoning_content") or ""
+                for c in delta.get("tool_calls") or []:
+                    i = c["index"]
+                    if self.limit is not None and i >= self.limit:
+                        continue
+                    fn = c.get("function") or {}
+                    cid = call_id(self.request_id, i, self.prefix) if c.get("id") else None
+                    piece.calls.append(CallDelta(i, fn.get("arguments") or "", cid,
+                                                 fn.get("name")))
+        return piece
+
+
+class DeepseekPromptBuilder(PromptBuilder):
+    """``PromptBuilder`` with the recipe's encoding in place of the chat template."""
+
+    def __init__(self, chat: DeepseekChat, tokenizer, end_ids, max_tokens: int,
+                 shared: SharedReplies | None = None) -> None:
+        super().__init__(tokenizer, end_ids, max_tokens, shared)
+        self.recipe = chat
+
+    def chat(self, messages: list[dict], salt: str | None, tools: list[dict] | None = None,
+             tool_request: ToolRequest | None = None,
+             thinking: Thinking = Thinking()) -> BuiltPrompt:
+        tool_request = tool_request or ToolRequest(tools or [])
+        fresh = self.recipe.encode(self.recipe.convert(messages, tool_request, thinking))
+        h = _hasher(salt, tool_request.tools)
+        found = None
+        for i, m in enumerate(messages):
+            if m["role"] == "assistant":
+                rec = self.replies.get(reply_key(h, m))
+                found = (i, rec) if rec is not None else found
+            h.update(_message_bytes(m))
+        if found is None:
+            return BuiltPrompt(fresh, "rendered", key_state=h)
+        prev_ids, reply_ids = found[1]
+        ids = self._extend(fresh, prev_ids, reply_ids)
+        if ids is None:  # the encoding renders that reply (or what precedes it) differently
+            return BuiltPrompt(fresh, "rendered", True, key_state=h)
+        return BuiltPrompt(ids, "extended", False, len(prev_ids) + len(reply_ids), key_state=h)
+
+    def _extend(self, fresh: list[int], prev_ids: list[int],
+                reply_ids: list[int]) -> list[int] | None:
+        """``prev_ids + reply_ids + the rest of fresh`` when ``fresh`` holds ``prev_ids`` and then
+        the reply rendered as the same text (up to its end token), else None."""
+        n = len(prev_ids)
+        if not reply_ids or reply_ids[-1] not in self.end_ids or fresh[:n] != prev_ids:
+            return None
+        end = next((k for k in range(n, len(fresh)) if fresh[k] in self.end_ids), None)
+        if end is None:
+            return None
+        dec = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
+        if dec(fresh[n:end + 1]) != dec(reply_ids):
+            return None
+        return prev_ids + reply_ids + fresh[end + 1:]
+
+    def remember(self, key_state, prompt_ids: list[int], reply_ids: list[int],
+                 message: dict) -> None:
+        """The whole generated reply is kept: ``_extend`` checks it against the encoding."""
+        self.replies.put(reply_key(key_state, message), prompt_ids, list(reply_ids))
