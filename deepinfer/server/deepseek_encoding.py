@@ -11,19 +11,22 @@ DeepSeek's API exactly; its errors are 400s. The reply is parsed from token ids 
 ``</think>`` are special tokens, which the text stream leaves out).
 
 Prefix stability: a remembered reply's generated ids are kept in the next turn's prompt when the
-official encoding renders that reply back to the same text (tool loops, non-thinking turns). In a
-thinking-mode chat the official encoding drops the reasoning of replies before the last user
-message, so that turn hits up to the reply's start only (``history_rewritten``).
+official encoding renders that reply back to the same text: tool loops (with ``tools`` the
+encoding keeps every reply's reasoning) and non-thinking turns. In a thinking-mode chat without
+tools the official encoding drops the reasoning of earlier replies, so the next turn hits up to
+the reply's start only (reported as ``history_rewritten``).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
 
 import deepseek_recipe as dr
 
 from ..errors import RequestError
+from ..kv.radix import common_len
 from .prompts import BuiltPrompt, PromptBuilder, _hasher, _message_bytes, reply_key
 from .shared_replies import SharedReplies
 from .thinking import Thinking
@@ -74,8 +77,9 @@ def _openai_message(m: dict) -> dict:
 class DeepseekChat:
     """The recipe for one checkpoint: requests -> conversations -> ids, reply ids -> pieces."""
 
-    def __init__(self, checkpoint: Path, version: dr.ModelVersion) -> None:
+    def __init__(self, checkpoint: Path, version: dr.ModelVersion, end_ids: Iterable[int]) -> None:
         self.tokenizer = dr.Tokenizer.from_file(str(checkpoint / "tokenizer.json"))
+        self.end_ids = set(end_ids)  # the engine stops on them; the processor is not shown them
         enc = dr.DeepseekV41Encoding() if version == dr.ModelVersion.DeepseekV41Flash \
             else dr.DeepseekV4Encoding()
         self.encoding = enc.with_tokenizer(self.tokenizer)
@@ -97,8 +101,20 @@ class DeepseekChat:
         try:
             return dr.ChatCompletionRequest(body).convert(self.options)
         except (ValueError, dr.ConversionError) as e:
-            msg = str(e)
-            raise RequestError(next((f for f in _FIELDS if f in msg), "messages"), msg) from None
+            raise RequestError(self._blame(body), str(e)) from None
+
+    def _blame(self, body: dict) -> str:
+        """The request field a rejected conversion is about: the first one whose removal makes
+        the request pass (the recipe's messages do not always name it)."""
+        for f in _FIELDS:
+            if f in body:
+                try:
+                    dr.ChatCompletionRequest({k: v for k, v in body.items() if k != f}) \
+                        .convert(self.options)
+                    return f
+                except (ValueError, dr.ConversionError):
+                    pass
+        return "messages"
 
     def encode(self, request: dr.ConversationRequest) -> list[int]:
         return list(self.encoding.encode(request.conversation))
@@ -144,22 +160,24 @@ class DeepseekReplyStream:
         self._proc = dr.StreamProcessor(gen, options, chat.tokenizer)
         self._proc.push(dr.InferenceChunk.ready())  # the role chunk: the server sends its own
         self.request_id, self.prefix, self.limit = request_id, prefix, limit
+        self.end_ids = chat.end_ids
 
     def push(self, text: str, token_ids: list[int]) -> StreamPiece:
         """``text`` is not read: DSML markers are special tokens, so the ids are parsed."""
-        if not token_ids:
-            return StreamPiece()
-        return self._piece(self._proc.push(dr.InferenceChunk.tokens(list(token_ids))))
+        return self._piece(self._tokens(token_ids))
 
     def finish(self, final: ToolOutput | None, token_ids: list[int]) -> StreamPiece:
         """The last ids and whatever the processor held back (``final`` is not needed: this
         stream's own parse is the final one)."""
-        chunks = list(self._proc.push(dr.InferenceChunk.tokens(list(token_ids)))) \
-            if token_ids else []
+        chunks = self._tokens(token_ids)
         if not self._proc.finished:
             chunks += self._proc.push(dr.InferenceChunk.finish(dr.InferenceFinishReason.Stop))
             chunks += self._proc.finish()
         return self._piece(chunks)
+
+    def _tokens(self, token_ids: list[int]) -> list:
+        ids = [t for t in token_ids if t not in self.end_ids]
+        return list(self._proc.push(dr.InferenceChunk.tokens(ids))) if ids else []
 
     def _piece(self, chunks) -> StreamPiece:
         piece = StreamPiece()
@@ -205,22 +223,23 @@ class DeepseekPromptBuilder(PromptBuilder):
         ids = self._extend(fresh, prev_ids, reply_ids)
         if ids is None:  # the encoding renders that reply (or what precedes it) differently
             return BuiltPrompt(fresh, "rendered", True, key_state=h)
-        return BuiltPrompt(ids, "extended", False, len(prev_ids) + len(reply_ids), key_state=h)
+        return BuiltPrompt(ids, "extended", False, common_len(ids, prev_ids + reply_ids),
+                           key_state=h)
 
     def _extend(self, fresh: list[int], prev_ids: list[int],
                 reply_ids: list[int]) -> list[int] | None:
         """``prev_ids + reply_ids + the rest of fresh`` when ``fresh`` holds ``prev_ids`` and then
-        the reply rendered as the same text (up to its end token), else None."""
+        the reply rendered as the same text up to its end token, else None. A reply cut short
+        (no end token) takes the end token the encoding closes it with."""
         n = len(prev_ids)
-        if not reply_ids or reply_ids[-1] not in self.end_ids or fresh[:n] != prev_ids:
+        if fresh[:n] != prev_ids:
             return None
         end = next((k for k in range(n, len(fresh)) if fresh[k] in self.end_ids), None)
-        if end is None:
-            return None
+        body = reply_ids[:-1] if reply_ids and reply_ids[-1] in self.end_ids else reply_ids
         dec = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
-        if dec(fresh[n:end + 1]) != dec(reply_ids):
+        if end is None or dec(fresh[n:end]) != dec(body):
             return None
-        return prev_ids + reply_ids + fresh[end + 1:]
+        return prev_ids + body + fresh[end:]
 
     def remember(self, key_state, prompt_ids: list[int], reply_ids: list[int],
                  message: dict) -> None:

@@ -18,7 +18,8 @@ from .tools.stream import ReplyStream
 class ReplyFormat:
     def __init__(self, engine: LLMEngine, config: ServerConfig) -> None:
         version = use_recipe(config.tool_call_parser, engine.hf_config.to_dict())
-        self.recipe = DeepseekChat(engine.checkpoint_path, version) if version else None
+        self.recipe = DeepseekChat(engine.checkpoint_path, version, engine.eos_token_ids) \
+            if version else None
         self.tool_parser: ToolParser | None = None if self.recipe else \
             resolve_parser(config.tool_call_parser, engine.tokenizer.chat_template)
         self.tokenizer = engine.tokenizer
