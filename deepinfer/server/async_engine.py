@@ -371,7 +371,7 @@ class AsyncEngine:
         ranked = req.params.best_of is not None  # samples are sent once the best are known
         if not req.is_finished:
             text = live.stream.push(new)
-            if (text or lps) and not ranked:
+            if (text or lps or new) and not ranked:  # ids too: DeepSeek parses ids
                 self._post(live, Delta(text, new, lps, index=live.index))
             return
         # The final text is authoritative (cut before a stop string): send what is missing.

@@ -176,8 +176,11 @@ class DeepseekReplyStream:
         return self._piece(chunks)
 
     def _tokens(self, token_ids: list[int]) -> list:
-        ids = [t for t in token_ids if t not in self.end_ids]
-        return list(self._proc.push(dr.InferenceChunk.tokens(ids))) if ids else []
+        """One chunk per token: the processor decodes a chunk as a unit (one that is not valid
+        UTF-8 yet is held whole), so this keeps a stream's split independent of how the
+        engine's deltas were grouped, and equal to the whole reply's."""
+        return [c for t in token_ids if t not in self.end_ids
+                for c in self._proc.push(dr.InferenceChunk.tokens([t]))]
 
     def _piece(self, chunks) -> StreamPiece:
         piece = StreamPiece()
