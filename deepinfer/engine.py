@@ -153,9 +153,6 @@ class LLMEngine:
         k = params.num_samples
         if k > 1:
             field_name = "best_of" if params.best_of else "n"
-            if self.runner.window is not None:
-                raise RequestError(field_name, "more than one sample is not supported with "
-                                               "sliding-window rings (--window-ring)")
             if k > self.config.max_num_seqs:
                 raise RequestError(field_name, f"must be <= max_num_seqs "
                                                f"({self.config.max_num_seqs}), got {k}")

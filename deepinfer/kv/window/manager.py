@@ -38,6 +38,7 @@ through a matched page hash, which fixes the tokens it was computed from).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from ...request import Request
@@ -202,6 +203,24 @@ class WindowKVCacheManager(KVCacheManager):
                      for a in range(snap.first_page, snap.first_page + snap.num_pages)]
             self.window.io.write(pages, snap.data)
         return True
+
+    def fork(self, parent: Request, child: Request) -> list[tuple[int, int]] | None:
+        """The parent's pages as ``KVCacheManager.fork`` shares them, and a ring of the child's
+        own holding a copy of the parent's window: each sample then writes its own tokens in
+        its ring. None (the child recomputes from the cache) when either pool is short."""
+        ring = parent.ring
+        if ring is None:
+            return super().fork(parent, child)
+        pages = self.rings.allocator.alloc(len(ring.pages))
+        if pages is None:
+            return None
+        pairs = super().fork(parent, child)
+        if pairs is None:
+            self.rings.allocator.free(pages)
+            return None
+        child.ring = dataclasses.replace(ring, pages=pages)
+        self.window.io.copy_pages(list(zip(ring.pages, pages)))
+        return pairs
 
     # ------------------------------------------------------------------ snapshots
     def cache_pages(self, req: Request) -> None:

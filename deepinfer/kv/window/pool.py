@@ -59,6 +59,16 @@ class WindowPool:
         for buf, d in zip(self.owned_buffers(), data):
             buf.index_copy_(0, idx, d.to(device=buf.device, dtype=buf.dtype))
 
+    def copy_pages(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy pages ``src -> dst`` on the device, in every owned buffer (a forked sample's
+        own ring, from its parent's)."""
+        if not pairs:
+            return
+        src = torch.tensor([s for s, _ in pairs], device=self.device)
+        dst = torch.tensor([d for _, d in pairs], device=self.device)
+        for buf in self.owned_buffers():
+            buf.index_copy_(0, dst, buf.index_select(0, src))
+
     def attach(self, batch: ForwardBatch, decodes: list[tuple[Request, int]],
                prefills: list[tuple[Request, int]], chunk_limit: int) -> None:
         """Give ``batch`` its window view. The cache manager grows each request's ring before a
