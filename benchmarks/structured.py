@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 
 import torch
 
+from deepinfer.hardware import lscpu_model
 from deepinfer.llm import LLM
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.structured import StructuredOutput
@@ -36,17 +36,6 @@ DOC = {"name": "Alice in Wonderland", "age": 42, "tags": ["a", "bb", "hello worl
 STORY = {"type": "object", "properties": {"title": {"type": "string", "maxLength": 60},
                                           "story": {"type": "string", "minLength": 4000}},
          "required": ["title", "story"], "additionalProperties": False}
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 # ---------------------------------------------------------------------- libraries
@@ -199,7 +188,7 @@ def main() -> None:
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
-    print(f"CPU: {cpu_model()}; torch threads: {torch.get_num_threads()}")
+    print(f"CPU: {lscpu_model()}; torch threads: {torch.get_num_threads()}")
     llm = LLM(None, progress=False, enable_disk_cache=False)
     if a.part in ("libs", "all"):
         bench_libs(llm, a.rounds)

@@ -27,7 +27,7 @@ import deepseek_recipe as dr
 
 from ..errors import RequestError
 from ..kv.radix import common_len
-from .prompts import BuiltPrompt, PromptBuilder, _hasher, _message_bytes, reply_key
+from .prompts import BuiltPrompt, PromptBuilder, message_bytes, reply_hasher, reply_key
 from .shared_replies import SharedReplies
 from .thinking import Thinking
 from .tools import ToolCall, ToolOutput, ToolRequest
@@ -39,7 +39,8 @@ _FIELDS = ("reasoning_effort", "tool_choice", "thinking", "tools", "stop")
 
 
 def recipe_version(config: dict) -> dr.ModelVersion | None:
-    """The recipe's model version for a checkpoint's ``config.json``; None if not DeepSeek-V4."""
+    """The recipe's model version for a checkpoint's config (as a dict); None if not
+    DeepSeek-V4."""
     if "DeepseekV4ForCausalLM" not in (config.get("architectures") or []):
         return None
     v41 = "kv_source_layers" in config or config.get("model_type") == "deepseek_v41"
@@ -175,14 +176,14 @@ class DeepseekReplyStream:
             chunks += self._proc.finish()
         return self._piece(chunks)
 
-    def _tokens(self, token_ids: list[int]) -> list:
+    def _tokens(self, token_ids: list[int]) -> list[dr.ChatCompletionChunk]:
         """One chunk per token: the processor decodes a chunk as a unit (one that is not valid
         UTF-8 yet is held whole), so this keeps a stream's split independent of how the
         engine's deltas were grouped, and equal to the whole reply's."""
         return [c for t in token_ids if t not in self.end_ids
                 for c in self._proc.push(dr.InferenceChunk.tokens([t]))]
 
-    def _piece(self, chunks) -> StreamPiece:
+    def _piece(self, chunks: list[dr.ChatCompletionChunk]) -> StreamPiece:
         piece = StreamPiece()
         for chunk in chunks:
             for choice in json.loads(chunk.to_json())["choices"]:
@@ -213,13 +214,13 @@ class DeepseekPromptBuilder(PromptBuilder):
              thinking: Thinking = Thinking()) -> BuiltPrompt:
         tool_request = tool_request or ToolRequest(tools or [])
         fresh = self.recipe.encode(self.recipe.convert(messages, tool_request, thinking))
-        h = _hasher(salt, tool_request.tools)
+        h = reply_hasher(salt, tool_request.tools)
         found = None
         for i, m in enumerate(messages):
             if m["role"] == "assistant":
                 rec = self.replies.get(reply_key(h, m))
                 found = (i, rec) if rec is not None else found
-            h.update(_message_bytes(m))
+            h.update(message_bytes(m))
         if found is None:
             return BuiltPrompt(fresh, "rendered", key_state=h)
         prev_ids, reply_ids = found[1]

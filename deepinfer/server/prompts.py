@@ -89,21 +89,21 @@ class ReplyCache:
         self.tokens -= len(p) + len(r)
 
 
-def _hasher(salt: str | None, tools: list[dict] | None):
+def reply_hasher(salt: str | None, tools: list[dict] | None):
     h = hashlib.blake2b(digest_size=16, person=b"deepinfer-reply")
     h.update(json.dumps(salt).encode() + b"\n")
     h.update(json.dumps(tools or None, ensure_ascii=False, sort_keys=True).encode() + b"\n")
     return h
 
 
-def _message_bytes(m: dict) -> bytes:
+def message_bytes(m: dict) -> bytes:
     return json.dumps(m, ensure_ascii=False, sort_keys=True).encode() + b"\n"
 
 
 def reply_key(key_state, message: dict) -> bytes:
     """Key of an assistant ``message`` (normalized) that followed the messages in ``key_state``."""
     h = key_state.copy()
-    h.update(b"reply:" + _message_bytes(message))
+    h.update(b"reply:" + message_bytes(message))
     return h.digest()
 
 
@@ -124,12 +124,12 @@ class PromptBuilder:
              tools: list[dict] | None = None) -> BuiltPrompt:
         """Prompt ids of ``messages`` (and ``tools``, rendered by the template); extends a
         remembered earlier turn where one is found."""
-        h = _hasher(salt, tools)
+        h = reply_hasher(salt, tools)
         states = []  # (index of an assistant message, hash of the messages before it)
         for i, m in enumerate(messages):
             if m["role"] == "assistant":
                 states.append((i, h.copy()))
-            h.update(_message_bytes(m))
+            h.update(message_bytes(m))
         found = None
         for j, st in reversed(states[-_MAX_LOOKBACK:]):
             rec = self.replies.get(reply_key(st, messages[j]))

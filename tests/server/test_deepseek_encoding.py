@@ -117,7 +117,8 @@ CONVERSATIONS = [
 
 
 @pytest.mark.parametrize("messages, thinking, tools, recipe_messages, mode, effort",
-                         CONVERSATIONS, ids=["user", "system-no-thinking", "tools-max", "tool-loop"])
+                         CONVERSATIONS,
+                         ids=["user", "system-no-thinking", "tools-max", "tool-loop"])
 def test_prompt_ids_equal_the_recipes_own_encoding(builder, chat, messages, thinking, tools,
                                                    recipe_messages, mode, effort):
     built = builder.chat(messages, None, tools, tool_request(tools), thinking)
@@ -134,7 +135,8 @@ def test_thinking_is_read_as_deepseek_and_vllm_clients_send_it():
     assert parse_thinking({}) == Thinking()
     for body, field in [({"thinking": {"type": "on"}}, "thinking"),
                         ({"chat_template_kwargs": {"thinking": "yes"}},
-                         "chat_template_kwargs.thinking"), ({"reasoning_effort": 3}, "reasoning_effort")]:
+                         "chat_template_kwargs.thinking"),
+                        ({"reasoning_effort": 3}, "reasoning_effort")]:
         with pytest.raises(RequestError) as e:
             parse_thinking(body)
         assert e.value.field == field

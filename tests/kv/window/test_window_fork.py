@@ -2,7 +2,7 @@
 copy of the ring, so the prompt is computed once and every sample equals its seed run alone."""
 
 import pytest
-from test_window_reuse import PS, hybrid, ids, make  # noqa: F401 (hybrid: the fixture)
+from test_window_reuse import hybrid, ids, make  # noqa: F401 (hybrid: the fixture)
 
 from deepinfer.sampling_params import SamplingParams
 
