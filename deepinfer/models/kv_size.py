@@ -203,7 +203,7 @@ def v4_sizes(config, codec: str = "lossless", page_size: int = 16) -> dict[str, 
     """A V4 model's KV as the engine lays it out: paged bytes/token (compressed entries and
     indexer keys, per attention type) and ring bytes per sequence (window K=V plus compressor
     inputs, for ring_window tokens)."""
-    from .deepseek_v4 import ring_window
+    from .deepseek_v4_attention import ring_window
 
     specs = model_kv_specs(config)
     n = config.num_hidden_layers
