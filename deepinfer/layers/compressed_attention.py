@@ -53,8 +53,10 @@ class V4Batch:
     paged: ForwardBatch
     ring: ForwardBatch
     spans: list[SeqSpan]
-    # V4.1 (CSA2): each index-source layer's top-k choice per span, for the layers reusing it
+    # V4.1 (CSA2): each index-source layer's top-k choice per span, for the layers reusing it,
+    # and the candidate entries per span (by span index) of the candidate-source layer
     selections: dict[int, list[torch.Tensor | None]] = field(default_factory=dict)
+    candidates: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @staticmethod
     def build(paged: ForwardBatch, ring: ForwardBatch) -> V4Batch:
@@ -167,14 +169,31 @@ class IndexScoring:
         weights = self.scorer.weights_proj(x).float() * self.heads ** -0.5
         return rotary(positions, q).float(), weights
 
-    def select(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
+    def scores(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
                visible: torch.Tensor) -> torch.Tensor:
-        """q [nq, h, d], weights [nq, h], keys [n, d], visible [nq, n] -> chosen [nq, n] bool."""
+        """q [nq, h, d], weights [nq, h], keys [n, d], visible [nq, n] -> scores [nq, n], -inf unseen."""
         scores = torch.relu(torch.einsum("qhd,nd->qhn", q, keys.float())) * self.head_dim ** -0.5
-        scores = (scores * weights[..., None]).sum(dim=1).masked_fill(~visible, float("-inf"))
-        top = scores.topk(min(self.topk, keys.shape[0]), dim=-1).indices
+        return (scores * weights[..., None]).sum(dim=1).masked_fill(~visible, float("-inf"))
+
+    def top(self, scores: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        """The ``topk`` best visible entries per query: chosen [nq, n] bool."""
+        top = scores.topk(min(self.topk, scores.shape[1]), dim=-1).indices
         chosen = torch.zeros_like(visible).scatter_(1, top, True)
-        return chosen & visible
+        return chosen & visible & (scores > float("-inf"))
+
+
+def candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, topk_blocks: int,
+                     block_size: int) -> torch.Tensor:
+    """V4.1's hierarchical selection: per query [nq, n] the entries of its ``topk_blocks`` blocks of
+    ``block_size`` entries with the best maximum score, the latest visible block always kept."""
+    nq, n = scores.shape
+    padded = torch.nn.functional.pad(scores, (0, -n % block_size), value=float("-inf"))
+    best = padded.view(nq, -1, block_size).amax(dim=-1)  # [nq, blocks]
+    last = (visible.sum(dim=1, keepdim=True) - 1).div(block_size, rounding_mode="floor")
+    best = best.masked_fill(torch.arange(best.shape[1], device=scores.device) == last, float("inf"))
+    top = best.topk(min(topk_blocks, best.shape[1]), dim=-1)
+    keep = torch.zeros_like(best, dtype=torch.bool).scatter_(1, top.indices, top.values > float("-inf"))
+    return keep.repeat_interleave(block_size, dim=1)[:, :n] & visible
 
 
 class Indexer(IndexScoring, WindowCompressor):

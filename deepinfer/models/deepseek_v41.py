@@ -6,7 +6,8 @@ r = 1: the token's own projection) into one RMS-normalised latent per window; th
 latent rotated at the window's first position, its indexer key ``RMSNorm(key_proj(latent))``
 rotated alike. Queries as in V4 but without the per-head RMSNorm. REINDEX layers score the FULL
 layer's keys with their own indexer queries; REUSE layers attend with the latest index layer's
-top-k choice of this step. Every query also sees its sliding window, and entry ``w`` only once
+top-k choice of this step; with a candidate source, the index layers after it choose only among
+the entries of the blocks it kept per query (``candidate_blocks``). Every query also sees its sliding window, and entry ``w`` only once
 its window has closed (``w < (t + 1) // r``).
 
 Only FULL layers store entries: the others' entry specs share the FULL layer's buffers
@@ -22,11 +23,11 @@ from torch import nn
 
 from ..kv.layout import KVSpec
 from ..layers.attention import store_kv
-from ..layers.compressed_attention import (IndexScoring, V4Batch, WindowCompressor, closing_positions,
-                                           entry_slots, gather_ring, visible_entries)
+from ..layers.compressed_attention import (IndexScoring, V4Batch, WindowCompressor, candidate_blocks,
+                                           closing_positions, entry_slots, gather_ring, visible_entries)
 from ..layers.norm import RMSNorm
 from ..layers.rotary import RotaryEmbedding
-from .deepseek_v41_config import FULL, REINDEX, REUSE, csa2_layers
+from .deepseek_v41_config import FULL, MASKED, REINDEX, REUSE, SOURCE, csa2_layers
 from .deepseek_v4_attention import LongKV, V4Attention
 
 
@@ -51,6 +52,8 @@ class CSA2Attention(V4Attention):
         layer = csa2_layers(config)[layer_idx]
         self.layer_idx, self.mode, self.selection_source = layer_idx, layer.mode, layer.selection_source
         self.q_head_norm = False
+        self.candidates = layer.candidates
+        self.candidate_blocks = (config.candidate_topk_blocks, config.candidate_block_size)
         self.index_head_dim = config.index_head_dim
         self.indexer: SharedKeyIndexer | None = None
         if layer.kv_source is not None:
@@ -104,6 +107,13 @@ class CSA2Attention(V4Attention):
             slots = entry_slots(span.pages, closing, ps, r)
             store_kv(entry_kv["entry"], self.rotary(starts, latent), slots)
             store_kv(entry_kv["ikey"], self.indexer.keys(latent, starts, self.rotary), slots)
+
+    def choose(self, step: V4Batch, span_index: int, scores: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        if self.candidates == SOURCE:
+            step.candidates[span_index] = candidate_blocks(scores, visible, *self.candidate_blocks)
+        elif self.candidates == MASKED:
+            scores = scores.masked_fill(~step.candidates[span_index], float("-inf"))
+        return self.indexer.top(scores, visible)
 
     def long_kv(self, x: torch.Tensor, q_residual: torch.Tensor, step: V4Batch,
                 entry_kv: dict[str, torch.Tensor] | None) -> list[LongKV]:

@@ -11,6 +11,11 @@ long-KV entry, 2 / 4 / 128 = one gated-pooled entry per that many tokens),
   queries and selects its own top-k;
 * ``reuse``: neither: reads the latest KV source's entries with the latest index source's top-k.
 
+``candidate_source_layer_id`` (>= 0) adds V4.1's hierarchical selection: that FULL layer also
+keeps, per query, its ``candidate_topk_blocks`` best blocks of ``candidate_block_size`` entries
+(by their best score, the latest visible block always), and the later index layers of its group
+pick their top-k among those candidates only.
+
 The rest of the block (mHC, MoE) is V4's: ``DeepseekV41Config`` is a ``DeepseekV4Config``
 whose ``layer_types`` follow from ``compress_ratios``.
 """
@@ -22,6 +27,7 @@ from dataclasses import dataclass
 from transformers import AutoConfig, DeepseekV4Config
 
 WINDOW, FULL, REINDEX, REUSE = "window", "full", "reindex", "reuse"
+SOURCE, MASKED = "source", "masked"  # a layer's part in the hierarchical candidate selection
 
 
 class DeepseekV41Config(DeepseekV4Config):
@@ -30,6 +36,9 @@ class DeepseekV41Config(DeepseekV4Config):
     compress_ratios: list[int] | None = None
     kv_source_layer_ids: list[int] | None = None
     index_source_layer_ids: list[int] | None = None
+    candidate_source_layer_id: int = -1
+    candidate_topk_blocks: int = 2048
+    candidate_block_size: int = 8
 
     def __post_init__(self, **kwargs):
         # transformers builds a bare instance for its defaults (save_pretrained's diff): the
@@ -53,6 +62,7 @@ class CSA2Layer:
     mode: str  # WINDOW, FULL, REINDEX or REUSE
     kv_source: int | None  # the FULL layer whose entries (and indexer keys) it reads
     selection_source: int | None  # the layer whose top-k choice it attends with
+    candidates: str | None = None  # SOURCE: picks the candidate blocks; MASKED: selects among them
 
 
 def csa2_layers(config: DeepseekV41Config) -> list[CSA2Layer]:
@@ -82,5 +92,19 @@ def csa2_layers(config: DeepseekV41Config) -> list[CSA2Layer]:
         if i in index_ids:
             selection_source = i
         mode = FULL if i == kv_source else REINDEX if i == selection_source else REUSE
-        out.append(CSA2Layer(r, mode, kv_source, selection_source))
+        out.append(CSA2Layer(r, mode, kv_source, selection_source, _candidate_role(config, i, mode, kv_source)))
     return out
+
+
+def _candidate_role(config: DeepseekV41Config, i: int, mode: str, kv_source: int) -> str | None:
+    source = config.candidate_source_layer_id
+    if source < 0 or i < source or mode == REUSE:
+        return None
+    if i == source:
+        if mode != FULL:
+            raise ValueError(f"candidate_source_layer_id {source} must be a KV source layer")
+        return SOURCE
+    if kv_source != source:
+        raise ValueError(f"index layer {i} comes after candidate source {source} but reads layer "
+                         f"{kv_source}'s entries: its candidates would not match")
+    return MASKED

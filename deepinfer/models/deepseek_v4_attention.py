@@ -138,14 +138,19 @@ class V4Attention(nn.Module):
         if idx is not None:
             q_idx, w_idx = idx.queries(x, q_residual, step.paged.positions, self.rotary)
         out: list[LongKV] = []
-        for span in step.spans:
+        for k, span in enumerate(step.spans):
             slots, visible = visible_entries(span, self.ratio, step.paged.page_size)
             chosen = None
             if idx is not None and slots.numel():
                 keys = entry_kv["ikey"].view(-1, idx.head_dim)[slots]
-                chosen = idx.select(q_idx[span.rows], w_idx[span.rows], keys, visible)
+                scores = idx.scores(q_idx[span.rows], w_idx[span.rows], keys, visible)
+                chosen = self.choose(step, k, scores, visible)
             out.append((entry_kv["entry"].view(-1, 1, self.head_dim)[slots], chosen))
         return out
+
+    def choose(self, step: V4Batch, span_index: int, scores: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        """The entries span ``span_index``'s queries read, from the indexer's ``scores``."""
+        return self.index_scorer().top(scores, visible)
 
     def forward(self, x: torch.Tensor, step: V4Batch, ring_kv: dict[str, torch.Tensor],
                 entry_kv: dict[str, torch.Tensor] | None) -> torch.Tensor:

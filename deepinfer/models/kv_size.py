@@ -205,7 +205,8 @@ def v4_reference_configs() -> dict[str, object]:
                             n_routed_experts=384, moe_intermediate_size=2304,
                             compress_ratios=[0, 0] + [2] * 18 + [1] * 20 + [0] * 3,
                             kv_source_layer_ids=[2, 8, 14, 20],
-                            index_source_layer_ids=[2, 8, 14, 20, 24, 28, 32, 36])
+                            index_source_layer_ids=[2, 8, 14, 20, 24, 28, 32, 36],
+                            candidate_source_layer_id=20, candidate_topk_blocks=2048, candidate_block_size=8)
     for cfg in (flash, pro):
         cfg.architectures = ["DeepseekV4ForCausalLM"]
     v41.architectures = ["DeepseekV41ForCausalLM"]

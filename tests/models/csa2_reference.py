@@ -58,6 +58,8 @@ class CSA2Reference(nn.Module):
         self.layer_idx, self.shared = layer_idx, shared
         self.ratio, self.kv_source, self.sel_source = schedule(config)[layer_idx]
         self.topk, self.ih, self.ihd = config.index_topk, config.index_n_heads, config.index_head_dim
+        self.candidate_source = config.candidate_source_layer_id
+        self.n_blocks, self.block = config.candidate_topk_blocks, config.candidate_block_size
         self.q_a_proj = nn.Linear(D, config.q_lora_rank, bias=False)
         self.q_a_norm = Norm(config.q_lora_rank, eps)
         self.q_b_proj = nn.Linear(config.q_lora_rank, H * hd, bias=False)
@@ -96,6 +98,22 @@ class CSA2Reference(nn.Module):
         keys = self.indexer.key_norm(self.indexer.key_proj(latent))
         return rope(latent, cos[starts], sin[starts]), rope(keys, cos[starts], sin[starts])
 
+    def candidate_blocks(self, scores, allowed):
+        """Entries of each query's best ``n_blocks`` blocks (by max score), its latest block kept."""
+        T, n = scores.shape
+        keep = torch.zeros(T, n, dtype=torch.bool)
+        for t in range(T):
+            seen = int(allowed[t].sum())
+            if not seen:
+                continue
+            blocks = [(scores[t, b:b + self.block].max().item(), b) for b in range(0, n, self.block)]
+            latest = (seen - 1) // self.block * self.block
+            ranked = sorted(blocks, key=lambda sb: (sb[1] != latest, -sb[0]))[: self.n_blocks]
+            for best, b in ranked:
+                if best > float("-inf") or b == latest:
+                    keep[t, b:b + self.block] = True
+        return keep & allowed
+
     def forward(self, hidden_states, position_embeddings, **kwargs):
         x = hidden_states[0]
         T = x.shape[0]
@@ -116,10 +134,14 @@ class CSA2Reference(nn.Module):
                 w = self.indexer.scorer.weights_proj(x) * (self.ih * self.ihd) ** -0.5
                 scores = (torch.relu(torch.einsum("thd,nd->thn", iq, ikeys)) * w[..., None]).sum(1)
                 scores = scores.masked_fill(~allowed, float("-inf"))
+                if self.layer_idx == self.candidate_source:
+                    self.shared["candidates"] = self.candidate_blocks(scores, allowed)
+                elif 0 <= self.candidate_source < self.layer_idx:
+                    scores = scores.masked_fill(~self.shared["candidates"], float("-inf"))
                 chosen = torch.zeros_like(allowed)
                 if n:
                     chosen.scatter_(1, scores.topk(min(self.topk, n), dim=-1).indices, True)
-                self.shared["selection"] = chosen & allowed
+                self.shared["selection"] = chosen & (scores > float("-inf"))
             keys = torch.cat((keys, entries))
             mask = torch.cat((mask, self.shared["selection"]), dim=1)
         logits = torch.einsum("thd,nd->htn", q, keys) * self.hd ** -0.5

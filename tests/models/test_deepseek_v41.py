@@ -45,10 +45,21 @@ def test_schedule_from_the_nemo_fields():
         tiny_v41_config(compress_ratios=[0, 2, 4, 2, 2, 1, 1, 4, 0])
     with pytest.raises(ValueError, match="window-only"):
         tiny_v41_config(index_source_layer_ids=[0, 1, 3, 5, 6, 7])
+    with pytest.raises(ValueError, match="candidates would not match"):
+        tiny_v41_config(candidate_source_layer_id=5)  # layer 7 starts another group
+    roles = [layer.candidates for layer in csa2_layers(tiny_v41_config(**CANDIDATES))]
+    assert roles == [None] * 5 + ["source", "masked", "masked", None]
 
 
-@pytest.mark.parametrize("topk", [4, 64], ids=["sparse-topk", "all-entries"])
-def test_csa2_matches_dense_reference(topk):
-    model = tiny_v41(index_topk=topk)
+# Hierarchical selection: layer 5 (FULL, r=1) keeps 2 blocks of 4 entries per query, and the
+# REINDEX layers 6 and 7 after it pick their top-4 among those.
+CANDIDATES = dict(compress_ratios=[0, 2, 2, 2, 2, 1, 1, 1, 0], kv_source_layer_ids=[1, 5],
+                  candidate_source_layer_id=5, candidate_topk_blocks=2, candidate_block_size=4)
+
+
+@pytest.mark.parametrize("kw", [dict(index_topk=4), dict(index_topk=64), dict(index_topk=4, **CANDIDATES)],
+                         ids=["sparse-topk", "all-entries", "candidate-blocks"])
+def test_csa2_matches_dense_reference(kw):
+    model = tiny_v41(**kw)
     diffs = check_against_hf(model, PROMPT, [5, 15, 17], OTHER, decode=6)
     assert max(diffs.values()) <= 1e-4, diffs
