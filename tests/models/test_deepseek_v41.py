@@ -21,9 +21,9 @@ V41 = dict(compress_ratios=[0, 2, 2, 2, 2, 1, 1, 4, 0], kv_source_layer_ids=[1, 
 
 def tiny_v41_config(**overrides):
     base = {k: v for k, v in TINY.items() if k not in ("layer_types", "compress_rates", "mlp_layer_types")}
-    n = len(V41["compress_ratios"])
-    cfg = DeepseekV41Config(**{**base, **V41, "num_hidden_layers": n, "mlp_layer_types": ["moe"] * n,
-                               "use_cache": False, **overrides})
+    fields = {**base, **V41, "use_cache": False, **overrides}
+    n = len(fields["compress_ratios"])
+    cfg = DeepseekV41Config(**{**fields, "num_hidden_layers": n, "mlp_layer_types": ["moe"] * n})
     cfg.architectures = ["DeepseekV41ForCausalLM"]
     return cfg
 

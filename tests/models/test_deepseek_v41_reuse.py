@@ -11,12 +11,15 @@ from tiny_checkpoints import make_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
+# 5 layers (engine runs are the cost here): window, FULL / REUSE / REINDEX at r=2, FULL at r=1
+SMALL = dict(compress_ratios=[0, 2, 2, 2, 1], kv_source_layer_ids=[1, 4], index_source_layer_ids=[1, 3, 4])
+
 
 @pytest.fixture(scope="module")
 def v41_path(tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny_v41")
     tok = make_tokenizer()
-    model = tiny_v41(vocab_size=len(tok))
+    model = tiny_v41(vocab_size=len(tok), **SMALL)
     model.config.eos_token_id = tok.convert_tokens_to_ids("<|im_end|>")
     model.config.bos_token_id = tok.convert_tokens_to_ids("<|endoftext|>")
     model.save_pretrained(path, safe_serialization=True)
@@ -25,16 +28,16 @@ def v41_path(tmp_path_factory):
 
 
 def test_only_full_layers_own_entry_pages(v41_path):
-    """Pages of 16 tokens: FULL layers 1 (r=2), 5 (r=1), 7 (r=4) hold 8, 16 and 4 rows of
-    entry + indexer key; the four layers reading them and the window layers add no bytes."""
+    """Pages of 16 tokens: FULL layers 1 (r=2) and 4 (r=1) hold 8 and 16 rows of entry +
+    indexer key; the two layers reading layer 1's entries and the window layer add no bytes."""
     runner = make(v41_path, page_size=16).engine.runner
     owned = [(spec.tokens_per_entry, {buf.shape[1] for buf in layer.values()})
              for spec, layer in zip(runner.pool.specs, runner.pool.buffers) if layer and spec.owns_cache]
-    assert owned == [(2, {8}), (1, {16}), (4, {4})]
+    assert owned == [(2, {8}), (1, {16})]
     shared = [spec.share_with for spec in runner.pool.specs if spec.share_with is not None]
-    assert shared == [9, 9, 9, 13]  # specs 9-15: layers 1-7; 2-4 read layer 1, 6 reads layer 5
+    assert shared == [5, 5]  # specs 5-8: entries of layers 1-4; layers 2 and 3 read layer 1's
     hd, ihd = 32, 16
-    assert runner.pool.bytes_per_page(runner.pool.specs, 16, torch.float32) == 4 * (8 + 16 + 4) * (hd + ihd)
+    assert runner.pool.bytes_per_page(runner.pool.specs, 16, torch.float32) == 4 * (8 + 16) * (hd + ihd)
 
 
 def test_shared_prefix_greedy_equal_no_cache(v41_path):
