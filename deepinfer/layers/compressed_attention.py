@@ -22,7 +22,7 @@ Where the state lives (see the model's ``kv_specs``):
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -53,6 +53,10 @@ class V4Batch:
     paged: ForwardBatch
     ring: ForwardBatch
     spans: list[SeqSpan]
+    # V4.1 (CSA2): each index-source layer's top-k choice per span, for the layers reusing it,
+    # and the candidate entries per span (by span index) of the candidate-source layer
+    selections: dict[int, list[torch.Tensor | None]] = field(default_factory=dict)
+    candidates: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @staticmethod
     def build(paged: ForwardBatch, ring: ForwardBatch) -> V4Batch:
@@ -77,6 +81,15 @@ def entry_slots(pages: torch.Tensor, closing: torch.Tensor, page_size: int, rati
     return pages[closing // page_size] * rows + (closing % page_size) // ratio
 
 
+def visible_entries(span: SeqSpan, ratio: int, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Slots of the entries closed by ``span.end`` and which of them each new token sees [nq, n]."""
+    dev = span.pages.device
+    n = span.end // ratio
+    slots = entry_slots(span.pages, (torch.arange(n, device=dev) + 1) * ratio - 1, page_size, ratio)
+    qpos = torch.arange(span.start, span.end, device=dev)[:, None]
+    return slots, torch.arange(n, device=dev)[None, :] < (qpos + 1) // ratio
+
+
 def gather_ring(buf: torch.Tensor, span: SeqSpan) -> torch.Tensor:
     """The ring entries of positions [span.ring_start, span.end), in order."""
     return gather_pages(buf, span.ring_pages)[: span.end - span.ring_start]
@@ -89,15 +102,18 @@ def closing_positions(span: SeqSpan, ratio: int) -> torch.Tensor:
 
 
 class WindowCompressor(nn.Module):
-    """Pools windows of ``ratio`` tokens into one ``head_dim`` entry (``overlap``: CSA's two series)."""
+    """Pools windows of ``ratio`` tokens into one ``head_dim`` entry (``overlap``: CSA's two series;
+    ``position_bias``: V4's learned per-slot gate bias, which V4.1's CSA2 compressor lacks)."""
 
-    def __init__(self, hidden: int, head_dim: int, ratio: int, overlap: bool, eps: float) -> None:
+    def __init__(self, hidden: int, head_dim: int, ratio: int, overlap: bool, eps: float,
+                 position_bias: bool = True) -> None:
         super().__init__()
         width = 2 * head_dim if overlap else head_dim
         self.head_dim, self.ratio, self.overlap = head_dim, ratio, overlap
         self.kv_proj = nn.Linear(hidden, width, bias=False)
-        self.gate_proj = nn.Linear(hidden, width, bias=False)
-        self.position_bias = nn.Parameter(torch.empty(ratio, width))
+        # ratio 1 (V4.1's uncompressed long KV): nothing to pool, so no gate
+        self.gate_proj = nn.Linear(hidden, width, bias=False) if ratio > 1 else None
+        self.position_bias = nn.Parameter(torch.empty(ratio, width)) if position_bias else None
         self.kv_norm = RMSNorm(head_dim, eps)
         self.indexer: Indexer | None = None  # CSA layers: set by the attention
 
@@ -105,34 +121,44 @@ class WindowCompressor(nn.Module):
         store_kv(kv, self.kv_proj(x).unsqueeze(1), ring.slot_mapping)
         store_kv(gate, self.gate_proj(x).unsqueeze(1), ring.slot_mapping)
 
-    def pool(self, kv: torch.Tensor, gate: torch.Tensor, first_pos: int, lo: int,
-             closing: torch.Tensor, rotary: RotaryEmbedding) -> torch.Tensor:
-        """Entries [n, 1, head_dim] of the windows closing at ``closing``, from the projections
-        ``kv``/``gate`` [L, 1, width] of positions ``first_pos`` onwards (valid from ``lo``)."""
+    def pool_latent(self, kv: torch.Tensor, gate: torch.Tensor, first_pos: int, lo: int,
+                    closing: torch.Tensor) -> torch.Tensor:
+        """Unrotated entries [n, 1, head_dim] of the windows closing at ``closing``, from the
+        projections ``kv``/``gate`` [L, 1, width] of positions ``first_pos`` onwards (valid from ``lo``)."""
         r, d = self.ratio, self.head_dim
         span = 2 * r if self.overlap else r
         pos = closing[:, None] - torch.arange(span - 1, -1, -1, device=closing.device)  # [n, span]
         idx = (pos - first_pos).clamp(min=0)
         k, g = kv[idx, 0].float(), gate[idx, 0].float()  # [n, span, width]
-        bias = self.position_bias.float()
         if self.overlap:  # slots [0, r): Ca of window w - 1; [r, 2r): Cb of window w
+            bias = self.position_bias.float()
             k = torch.cat((k[:, :r, :d], k[:, r:, d:]), dim=1)
             g = torch.cat((g[:, :r, :d] + bias[:, :d], g[:, r:, d:] + bias[:, d:]), dim=1)
-        else:
-            g = g + bias
+        elif self.position_bias is not None:
+            g = g + self.position_bias.float()
         g = g.masked_fill((pos < max(lo, 0))[..., None], float("-inf"))  # window 0 has no Ca
         pooled = (k * g.softmax(dim=1)).sum(dim=1).to(kv.dtype)
-        entry = self.kv_norm(pooled).unsqueeze(1)
-        return rotary((closing + 1 - r), entry)  # RoPE at the window's first position
+        return self.kv_norm(pooled).unsqueeze(1)
+
+    def pool(self, kv: torch.Tensor, gate: torch.Tensor, first_pos: int, lo: int,
+             closing: torch.Tensor, rotary: RotaryEmbedding) -> torch.Tensor:
+        """The entries of ``pool_latent``, rotated at their window's first position."""
+        return rotary(closing + 1 - self.ratio, self.pool_latent(kv, gate, first_pos, lo, closing))
 
 
-class Indexer(WindowCompressor):
-    """Lightning Indexer: its own CSA-style keys; per query ``sum_h w_h relu(q_h . k)`` scores."""
+class IndexScoring:
+    """The query side of a Lightning Indexer (a mixin over modules holding ``q_b_proj``,
+    ``scorer.weights_proj``, ``heads``, ``head_dim`` and ``topk``): per query
+    ``sum_h w_h relu(q_h . k)`` scores over entry keys, and the top-k visible entries."""
 
-    def __init__(self, hidden: int, q_lora_rank: int, heads: int, head_dim: int, ratio: int,
-                 topk: int, eps: float) -> None:
-        super().__init__(hidden, head_dim, ratio, overlap=True, eps=eps)
-        self.heads, self.topk = heads, topk
+    q_b_proj: nn.Linear
+    scorer: nn.Module
+    heads: int
+    head_dim: int
+    topk: int
+
+    def init_scoring(self, hidden: int, q_lora_rank: int, heads: int, head_dim: int, topk: int) -> None:
+        self.heads, self.head_dim, self.topk = heads, head_dim, topk
         self.q_b_proj = nn.Linear(q_lora_rank, heads * head_dim, bias=False)
         self.scorer = nn.Module()
         self.scorer.weights_proj = nn.Linear(hidden, heads, bias=False)
@@ -143,14 +169,40 @@ class Indexer(WindowCompressor):
         weights = self.scorer.weights_proj(x).float() * self.heads ** -0.5
         return rotary(positions, q).float(), weights
 
-    def select(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
+    def scores(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor,
                visible: torch.Tensor) -> torch.Tensor:
-        """q [nq, h, d], weights [nq, h], keys [n, d], visible [nq, n] -> chosen [nq, n] bool."""
+        """q [nq, h, d], weights [nq, h], keys [n, d], visible [nq, n] -> scores [nq, n], -inf unseen."""
         scores = torch.relu(torch.einsum("qhd,nd->qhn", q, keys.float())) * self.head_dim ** -0.5
-        scores = (scores * weights[..., None]).sum(dim=1).masked_fill(~visible, float("-inf"))
-        top = scores.topk(min(self.topk, keys.shape[0]), dim=-1).indices
+        return (scores * weights[..., None]).sum(dim=1).masked_fill(~visible, float("-inf"))
+
+    def top(self, scores: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        """The ``topk`` best visible entries per query: chosen [nq, n] bool."""
+        top = scores.topk(min(self.topk, scores.shape[1]), dim=-1).indices
         chosen = torch.zeros_like(visible).scatter_(1, top, True)
-        return chosen & visible
+        return chosen & visible & (scores > float("-inf"))
+
+
+def candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, topk_blocks: int,
+                     block_size: int) -> torch.Tensor:
+    """V4.1's hierarchical selection: per query [nq, n] the entries of its ``topk_blocks`` blocks of
+    ``block_size`` entries with the best maximum score, the latest visible block always kept."""
+    nq, n = scores.shape
+    padded = torch.nn.functional.pad(scores, (0, -n % block_size), value=float("-inf"))
+    best = padded.view(nq, -1, block_size).amax(dim=-1)  # [nq, blocks]
+    last = (visible.sum(dim=1, keepdim=True) - 1).div(block_size, rounding_mode="floor")
+    best = best.masked_fill(torch.arange(best.shape[1], device=scores.device) == last, float("inf"))
+    top = best.topk(min(topk_blocks, best.shape[1]), dim=-1)
+    keep = torch.zeros_like(best, dtype=torch.bool).scatter_(1, top.indices, top.values > float("-inf"))
+    return keep.repeat_interleave(block_size, dim=1)[:, :n] & visible
+
+
+class Indexer(IndexScoring, WindowCompressor):
+    """V4's Lightning Indexer: keys from its own CSA-style (overlapping) compressor."""
+
+    def __init__(self, hidden: int, q_lora_rank: int, heads: int, head_dim: int, ratio: int,
+                 topk: int, eps: float) -> None:
+        super().__init__(hidden, head_dim, ratio, overlap=True, eps=eps)
+        self.init_scoring(hidden, q_lora_rank, heads, head_dim, topk)
 
 
 def compressed_attention(q: torch.Tensor, span: SeqSpan, window: int, ratio: int | None,

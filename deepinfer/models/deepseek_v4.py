@@ -1,18 +1,10 @@
 """DeepSeek-V4: shared-KV MQA over a sliding window plus compressed KV (CSA / HCA), mHC residual
 streams, and MoE with ``sqrtsoftplus`` routing (hash-routed in the first layers).
 
-Attention (``layers/compressed_attention.py`` has the compressed part): queries come through a
-low-rank ``q_a -> norm -> q_b`` path and a per-head unweighted RMSNorm; each token caches one
-vector (``kv_proj``, RMSNorm, RoPE), read as both key and value. RoPE (interleaved pairs) rotates
-the *last* ``qk_rope_head_dim`` dims; since values carry that rotation too, the output's rope dims
-are rotated back by the query position. Per-head sinks, then a grouped low-rank output projection:
-``o_groups`` head groups each mapped to ``o_lora_rank`` dims (``o_a_proj``), mixed by ``o_b_proj``.
-Sliding layers use the ``main`` RoPE, CSA/HCA layers (window and entries) the ``compress`` one.
-
-KV layout: spec ``i`` (i < num_layers) is layer i's window ring (K=V vector plus compressor inputs),
-with the window widened to cover a compressor's span; after those, one paged spec per CSA/HCA
-layer holds its compressed entries (and indexer keys), one row per ``r`` tokens, in the page of
-the token closing their window.
+Attention lives in ``deepseek_v4_attention.py`` (V4's CSA / HCA) and ``deepseek_v41.py`` (V4.1's
+CSA2 cross-layer sharing, chosen by a ``DeepseekV41Config``). KV layout: spec ``i``
+(i < num_layers) is layer i's window ring; after those, one paged spec per compressed layer holds
+its entries (a layer reading another layer's entries has a spec sharing that layer's buffers).
 
 MoE: scores ``sqrt(softplus(logits))``; experts chosen by top-k of scores + a selection bias, or, in
 ``hash_moe`` layers, by a fixed token-id table (``tid2eid``); weights are the chosen scores,
@@ -23,6 +15,7 @@ clamped above and the up projection clamped both ways at ``swiglu_limit``.
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -30,16 +23,15 @@ from transformers.activations import ACT2FN
 
 from ..forward_batch import ForwardBatch
 from ..kv.layout import KVSpec
-from ..layers.attention import store_kv
-from ..layers.compressed_attention import (Indexer, V4Batch, WindowCompressor, closing_positions,
-                                           compressed_attention, entry_slots, gather_ring)
+from ..layers.compressed_attention import V4Batch
 from ..layers.hyper_connection import HyperConnection, HyperHead
 from ..layers.moe import MoEBlock, StackedExperts
 from ..layers.norm import RMSNorm
 from ..layers.rotary import RotaryEmbedding, rope_inv_freq
 from .base import CausalLM
-
-CSA, HCA = "compressed_sparse_attention", "heavily_compressed_attention"
+from .deepseek_v41 import CSA2Attention
+from .deepseek_v41_config import DeepseekV41Config
+from .deepseek_v4_attention import V4Attention, compress_ratio
 
 # DeepSeek's own checkpoint names (what the released folders, and transformers' save_pretrained,
 # hold) -> transformers' module names, which ours follow. Applied in order, after dropping "model.".
@@ -60,125 +52,6 @@ _RENAMES = [(re.compile(a), b) for a, b in (
 )]
 _EXPERT_PROJ = {"w1": ("gate_up_proj", 0), "w3": ("gate_up_proj", 1), "w2": ("down_proj", None),
                 "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", None)}
-
-
-def compress_ratio(config, i: int) -> int | None:
-    kind = config.layer_types[i]
-    return config.compress_rates[kind] if kind in (CSA, HCA) else None
-
-
-def ring_window(config) -> int:
-    """Tokens a ring keeps: the attention window, or more where a compressor spans more."""
-    spans = [config.sliding_window]
-    for i, kind in enumerate(config.layer_types):
-        r = compress_ratio(config, i)
-        if r is not None:
-            spans.append(2 * r if kind == CSA else r)
-    return max(spans)
-
-
-class V4Attention(nn.Module):
-    def __init__(self, config, layer_idx: int, rotary: RotaryEmbedding) -> None:
-        super().__init__()
-        H, hd, hidden, eps = config.num_attention_heads, config.head_dim, config.hidden_size, config.rms_norm_eps
-        self.num_heads, self.head_dim, self.groups = H, hd, config.o_groups
-        self.window, self.ring_window = config.sliding_window, ring_window(config)
-        self.ratio = compress_ratio(config, layer_idx)
-        self.q_a_proj = nn.Linear(hidden, config.q_lora_rank, bias=False)
-        self.q_a_norm = RMSNorm(config.q_lora_rank, eps)
-        self.q_b_proj = nn.Linear(config.q_lora_rank, H * hd, bias=False)
-        self.kv_proj = nn.Linear(hidden, hd, bias=False)
-        self.kv_norm = RMSNorm(hd, eps)
-        self.o_a_proj = nn.Linear(H * hd // self.groups, self.groups * config.o_lora_rank, bias=False)
-        self.o_b_proj = nn.Linear(self.groups * config.o_lora_rank, hidden, bias=False)
-        self.sinks = nn.Parameter(torch.empty(H))
-        self.rotary = rotary
-        self.norm_eps = eps
-        self.scale = hd ** -0.5
-        self.compressor: WindowCompressor | None = None
-        if self.ratio is not None:
-            csa = config.layer_types[layer_idx] == CSA
-            self.compressor = WindowCompressor(hidden, hd, self.ratio, overlap=csa, eps=eps)
-            if csa:
-                self.compressor.indexer = Indexer(hidden, config.q_lora_rank, config.index_n_heads,
-                                                  config.index_head_dim, self.ratio, config.index_topk, eps)
-
-    def indexer(self) -> Indexer | None:
-        return self.compressor.indexer if self.compressor is not None else None
-
-    def ring_spec(self) -> KVSpec:
-        comps = [("kv", (1, self.head_dim))]
-        if self.compressor is not None:
-            width = self.compressor.kv_proj.out_features
-            comps += [("ckv", (1, width)), ("cgate", (1, width))]
-        if self.indexer() is not None:
-            width = self.indexer().kv_proj.out_features
-            comps += [("ikv", (1, width)), ("igate", (1, width))]
-        return KVSpec(tuple(comps), window=self.ring_window, feeds_pages=self.compressor is not None)
-
-    def entry_spec(self) -> KVSpec | None:
-        if self.compressor is None:
-            return None
-        comps = [("entry", (1, self.head_dim))]
-        if self.indexer() is not None:
-            comps.append(("ikey", (1, self.indexer().head_dim)))
-        return KVSpec(tuple(comps), tokens_per_entry=self.ratio)
-
-    def _store_entries(self, x: torch.Tensor, step: V4Batch, ring_kv: dict[str, torch.Tensor],
-                       entry_kv: dict[str, torch.Tensor]) -> None:
-        """Store the projections of the new tokens, then pool every window they close."""
-        comp, idx = self.compressor, self.indexer()
-        parts = [(comp, "ckv", "cgate", "entry")] + ([(idx, "ikv", "igate", "ikey")] if idx else [])
-        for mod, kv_name, gate_name, _ in parts:
-            mod.store_inputs(x, step.ring, ring_kv[kv_name], ring_kv[gate_name])
-        ps = step.paged.page_size
-        for span in step.spans:
-            closing = closing_positions(span, self.ratio)
-            if not closing.numel():
-                continue
-            slots = entry_slots(span.pages, closing, ps, self.ratio)
-            for mod, kv_name, gate_name, out_name in parts:
-                kv = gather_ring(ring_kv[kv_name], span)
-                gate = gather_ring(ring_kv[gate_name], span)
-                entry = mod.pool(kv, gate, span.ring_start, span.ring_lo, closing, self.rotary)
-                store_kv(entry_kv[out_name], entry, slots)
-
-    def forward(self, x: torch.Tensor, step: V4Batch, ring_kv: dict[str, torch.Tensor],
-                entry_kv: dict[str, torch.Tensor] | None) -> torch.Tensor:
-        T, H, hd = x.shape[0], self.num_heads, self.head_dim
-        positions = step.paged.positions
-        q_residual = self.q_a_norm(self.q_a_proj(x))
-        q = self.q_b_proj(q_residual).view(T, H, hd)
-        q = q * torch.rsqrt(q.float().square().mean(-1, keepdim=True) + self.norm_eps).to(q.dtype)
-        q = self.rotary(positions, q)
-        kv = self.rotary(positions, self.kv_norm(self.kv_proj(x)).unsqueeze(1))
-        store_kv(ring_kv["kv"], kv, step.ring.slot_mapping)
-        idx = self.indexer()
-        if entry_kv is not None:
-            self._store_entries(x, step, ring_kv, entry_kv)
-        if idx is not None:
-            q_idx, w_idx = idx.queries(x, q_residual, positions, self.rotary)
-        out = torch.empty_like(q)
-        ps = step.paged.page_size
-        for span in step.spans:
-            entries = chosen = None
-            if entry_kv is not None:
-                n = span.end // self.ratio
-                closed = (torch.arange(n, device=x.device) + 1) * self.ratio - 1
-                slots = entry_slots(span.pages, closed, ps, self.ratio)
-                entries = entry_kv["entry"].view(-1, 1, hd)[slots]
-                if idx is not None and n:
-                    keys = entry_kv["ikey"].view(-1, idx.head_dim)[slots]
-                    qpos = torch.arange(span.start, span.end, device=x.device)[:, None]
-                    visible = torch.arange(n, device=x.device)[None, :] < (qpos + 1) // self.ratio
-                    chosen = idx.select(q_idx[span.rows], w_idx[span.rows], keys, visible)
-            out[span.rows] = compressed_attention(q[span.rows], span, self.window, self.ratio,
-                                                  ring_kv["kv"], entries, chosen, ps, self.scale,
-                                                  self.sinks)
-        out = self.rotary(positions, out, inverse=True)  # values carried their keys' rotation
-        grouped = out.reshape(T, self.groups, -1)
-        w = self.o_a_proj.weight.view(self.groups, -1, grouped.shape[-1])
-        return self.o_b_proj(torch.einsum("tgi,goi->tgo", grouped, w).reshape(T, -1))
 
 
 class ClampedSwiGLU(nn.Module):
@@ -254,7 +127,8 @@ class V4DecoderLayer(nn.Module):
     def __init__(self, config, layer_idx: int, rotary: RotaryEmbedding) -> None:
         super().__init__()
         hidden, eps = config.hidden_size, config.rms_norm_eps
-        self.self_attn = V4Attention(config, layer_idx, rotary)
+        attention = CSA2Attention if isinstance(config, DeepseekV41Config) else V4Attention
+        self.self_attn = attention(config, layer_idx, rotary)
         self.mlp = V4MoE(config, layer_idx)
         self.input_layernorm = RMSNorm(hidden, eps)
         self.post_attention_layernorm = RMSNorm(hidden, eps)
@@ -294,13 +168,21 @@ class DeepseekV4ForCausalLM(CausalLM):
         super().__init__(config, V4Model(config, max_positions))
         self.hc_mult = config.hc_mult
         # spec index of each compressed layer's entries (after the per-layer ring specs)
-        compressed = [i for i, layer in enumerate(self.model.layers) if layer.self_attn.compressor is not None]
+        compressed = [i for i, layer in enumerate(self.model.layers) if layer.self_attn.ratio is not None]
         n = len(self.model.layers)
         self.entry_spec_index = {layer: n + k for k, layer in enumerate(compressed)}
 
     def kv_specs(self) -> list[KVSpec]:
         attns = [layer.self_attn for layer in self.model.layers]
-        return [a.ring_spec() for a in attns] + [a.entry_spec() for a in attns if a.compressor is not None]
+        entries = []
+        for i, a in enumerate(attns):
+            if a.ratio is None:
+                continue
+            spec = a.entry_spec()
+            if a.entry_source != i:  # CSA2: reads a source layer's entries, stores none of its own
+                spec = replace(spec, share_with=self.entry_spec_index[a.entry_source])
+            entries.append(spec)
+        return [a.ring_spec() for a in attns] + entries
 
     def forward(self, batch: ForwardBatch, kv: list[dict[str, torch.Tensor]]) -> torch.Tensor:
         """Residual streams [T, hc_mult, hidden] of the new tokens; writes their KV into ``kv``."""

@@ -177,8 +177,13 @@ def reference_configs() -> dict[str, object]:
 
 def v4_reference_configs() -> dict[str, object]:
     """DeepSeek-V4 architectures as their published config.json files give them (numbers typed
-    in; ``compress_ratios`` per layer: 0 window only, 4 CSA, 128 HCA, last entry the MTP layer)."""
+    in; ``compress_ratios`` per layer: 0 window only, 4 CSA, 128 HCA, last entry the MTP layer),
+    and V4.1-Flash as NeMo Automodel's ``DeepseekV41TextConfig`` defaults give it ("defaults
+    match the released Flash text configuration", HF revision df42c109): CSA2 with ratio 2 in
+    layers 2-19 and 1 in layers 20-39, long KV computed by layers 2, 8, 14, 20 only."""
     from transformers import DeepseekV4Config
+
+    from .deepseek_v41_config import DeepseekV41Config
 
     common = dict(vocab_size=129280, num_key_value_heads=1, head_dim=512, qk_rope_head_dim=64,
                   sliding_window=128, hc_mult=4, hc_sinkhorn_iters=20, num_hash_layers=3,
@@ -194,26 +199,39 @@ def v4_reference_configs() -> dict[str, object]:
                            q_lora_rank=1536, o_groups=16, o_lora_rank=1024, index_topk=1024,
                            n_routed_experts=384, moe_intermediate_size=3072,
                            compress_ratios=[128, 128] + [4, 128] * 29 + [4, 0])
+    v41 = DeepseekV41Config(**{**common, "num_hash_layers": 0, "index_n_heads": 32},
+                            hidden_size=5120, num_hidden_layers=40, num_attention_heads=64,
+                            q_lora_rank=1280, o_groups=8, o_lora_rank=1024, index_topk=512,
+                            n_routed_experts=384, moe_intermediate_size=2304,
+                            compress_ratios=[0, 0] + [2] * 18 + [1] * 20 + [0] * 3,
+                            kv_source_layer_ids=[2, 8, 14, 20],
+                            index_source_layer_ids=[2, 8, 14, 20, 24, 28, 32, 36],
+                            candidate_source_layer_id=20, candidate_topk_blocks=2048, candidate_block_size=8)
     for cfg in (flash, pro):
         cfg.architectures = ["DeepseekV4ForCausalLM"]
-    return {"DeepSeek-V4-Flash": flash, "DeepSeek-V4-Pro": pro}
+    v41.architectures = ["DeepseekV41ForCausalLM"]
+    return {"DeepSeek-V4-Flash": flash, "DeepSeek-V4-Pro": pro, "DeepSeek-V4.1-Flash": v41}
 
 
-def v4_sizes(config, codec: str = "lossless", page_size: int = 16) -> dict[str, float]:
-    """A V4 model's KV as the engine lays it out: paged bytes/token (compressed entries and
-    indexer keys, per attention type) and ring bytes per sequence (window K=V plus compressor
-    inputs, for ring_window tokens)."""
-    from .deepseek_v4 import ring_window
+def v4_sizes(config, codec: str = "lossless", page_size: int = 16) -> dict:
+    """A V4 / V4.1 model's KV as the engine lays it out: paged bytes/token (compressed entries and
+    indexer keys of the layers owning them, per attention type and per ratio) and ring bytes per
+    sequence (window K=V plus compressor inputs, for ring_window tokens)."""
+    from .deepseek_v4_attention import compress_ratio, ring_window
 
     specs = model_kv_specs(config)
     n = config.num_hidden_layers
     rings, entries = specs[:n], specs[n:]
-    kinds = [t for t in config.layer_types if t != "sliding_attention"]
+    kinds = [config.layer_types[i] for i in range(n) if compress_ratio(config, i) is not None]
+    owned = [(s, k) for s, k in zip(entries, kinds) if s.owns_cache]
     per = lambda s: component_bytes_per_token(s, codec, torch.bfloat16, page_size)  # noqa: E731
-    out = {"layers": dict((t, config.layer_types.count(t)) for t in sorted(set(config.layer_types)))}
+    out: dict = {"layers": dict((t, config.layer_types.count(t)) for t in sorted(set(config.layer_types))),
+                 "window_only": n - len(kinds), "compressed": len(kinds), "owning": len(owned)}
     for kind in sorted(set(kinds)):
-        out[kind] = sum(per(s) for s, k in zip(entries, kinds) if k == kind)
-    out["paged_per_token"] = sum(per(s) for s in entries)
+        out[kind] = sum(per(s) for s, k in owned if k == kind)
+    out["by_ratio"] = {r: sum(per(s) for s, _ in owned if s.tokens_per_entry == r)
+                       for r in sorted({s.tokens_per_entry for s, _ in owned})}
+    out["paged_per_token"] = sum(per(s) for s, _ in owned)
     out["ring_per_seq"] = sum(per(s) for s in rings) * ring_window(config)
     return out
 
@@ -260,20 +278,16 @@ def tables(page_size: int = 16) -> str:
 
 
 def v4_table(page_size: int = 16) -> str:
-    rows = [_row(["model", "page", "layers (window / CSA / HCA)", "codec", "CSA entries B/token",
-                  "HCA entries B/token", "paged B/token", "ring B/seq"]),
-            "|---|---:|---|---|---:|---:|---:|---:|"]
+    rows = [_row(["model", "page", "layers (window / compressed / owning entries)", "codec",
+                  "entries B/token, per ratio r", "paged B/token", "ring B/seq"]),
+            "|---|---:|---|---|---|---:|---:|"]
     for name, cfg in v4_reference_configs().items():
         for ps in (page_size, 128):
             for label, codec in CODECS[:2]:
                 k = v4_sizes(cfg, codec, ps)
-                n = k["layers"]
-                counts = (f"{n.get('sliding_attention', 0)} / {n.get('compressed_sparse_attention', 0)}"
-                          f" / {n.get('heavily_compressed_attention', 0)}")
-                rows.append(_row([name, str(ps), counts, label,
-                                  _fmt(k.get("compressed_sparse_attention", 0)),
-                                  _fmt(k.get("heavily_compressed_attention", 0)),
-                                  _fmt(k["paged_per_token"]), _fmt(k["ring_per_seq"])]))
+                ratios = ", ".join(f"r{r}: {_fmt(b)}" for r, b in k["by_ratio"].items())
+                rows.append(_row([name, str(ps), f"{k['window_only']} / {k['compressed']} / {k['owning']}",
+                                  label, ratios, _fmt(k["paged_per_token"]), _fmt(k["ring_per_seq"])]))
     return "\n".join(rows)
 
 

@@ -17,6 +17,7 @@ MODEL_CLASSES: dict[str, type[CausalLM]] = {
     "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
     "DeepseekV4ForCausalLM": DeepseekV4ForCausalLM,
+    "DeepseekV41ForCausalLM": DeepseekV4ForCausalLM,  # CSA2 layers, from its DeepseekV41Config
     "Gemma2ForCausalLM": GemmaForCausalLM,
     "Gemma3ForCausalLM": GemmaForCausalLM,
     "GptOssForCausalLM": GptOssForCausalLM,

@@ -94,3 +94,20 @@ def test_deepseek_v4_flash_layout():
     assert k["ring_per_seq"] == ring_elements * 2 * 128
     pool = PagePool(specs[43:], 2, PS, torch.bfloat16, torch.device("meta"))
     assert pool.bytes_per_page(specs[43:], PS, torch.bfloat16) == k["paged_per_token"] * PS
+
+
+def test_deepseek_v41_flash_only_kv_sources_own_pages():
+    """V4.1-Flash (CSA2): 38 compressed layers but only the 4 KV sources (layers 2, 8, 14 at
+    ratio 2, layer 20 at ratio 1) own entry pages; the others share them, adding no bytes."""
+    from deepinfer.models.kv_size import v4_reference_configs, v4_sizes
+
+    cfg = v4_reference_configs()["DeepSeek-V4.1-Flash"]
+    specs, _ = kv_layout(cfg)
+    entries = specs[40:]
+    assert len(entries) == 38 and [i for i, s in enumerate(entries) if s.owns_cache] == [0, 6, 12, 18]
+    assert {s.share_with for s in entries[1:6]} == {40} and {s.share_with for s in entries[19:]} == {58}
+    k = v4_sizes(cfg, page_size=PS)
+    assert (k["window_only"], k["compressed"], k["owning"]) == (2, 38, 4)
+    assert k["by_ratio"] == {1: (512 + 128) * 2, 2: 3 * (512 + 128) * 2 / 2}
+    assert k["ring_per_seq"] == (40 * 512 + 3 * 2 * 512) * 2 * 128
+    assert PagePool.bytes_per_page(entries, PS, torch.bfloat16) == k["paged_per_token"] * PS
