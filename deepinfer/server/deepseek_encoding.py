@@ -1,7 +1,8 @@
 """DeepSeek-V4 / V4.1 chats through ``deepseek-recipe``: prompts in the official encoding's exact
 token ids, replies parsed by its ``StreamProcessor`` into reasoning, content and DSML tool calls.
 
-Chosen for a ``DeepseekV4ForCausalLM`` checkpoint (V4.1 when its config has ``kv_source_layers``)
+Chosen for a ``DeepseekV4ForCausalLM`` / ``DeepseekV41ForCausalLM`` checkpoint (V4.1 by its architecture,
+``model_type: deepseek_v41`` or CSA2's ``kv_source_layer_ids``)
 unless ``--tool-call-parser`` names another family; ``--tool-call-parser deepseek_v4`` forces it.
 Other models keep their HF chat templates (``prompts.py``, ``tools/``).
 
@@ -41,9 +42,11 @@ _FIELDS = ("reasoning_effort", "tool_choice", "thinking", "tools", "stop")
 def recipe_version(config: dict) -> dr.ModelVersion | None:
     """The recipe's model version for a checkpoint's config (as a dict); None if not
     DeepSeek-V4."""
-    if "DeepseekV4ForCausalLM" not in (config.get("architectures") or []):
+    archs = set(config.get("architectures") or [])
+    if not archs & {"DeepseekV4ForCausalLM", "DeepseekV41ForCausalLM"}:
         return None
-    v41 = "kv_source_layers" in config or config.get("model_type") == "deepseek_v41"
+    v41 = ("DeepseekV41ForCausalLM" in archs or config.get("model_type") == "deepseek_v41"
+           or "kv_source_layer_ids" in config or "kv_source_layers" in config)
     return dr.ModelVersion.DeepseekV41Flash if v41 else dr.ModelVersion.DeepseekV4Pro
 
 

@@ -234,6 +234,9 @@ def test_recipe_is_chosen_from_the_checkpoint_or_the_flag():
     v4 = {"architectures": ["DeepseekV4ForCausalLM"]}
     assert use_recipe("auto", v4) == dr.ModelVersion.DeepseekV4Pro
     assert use_recipe(None, {**v4, "kv_source_layers": [0]}) == dr.ModelVersion.DeepseekV41Flash
+    v41 = dr.ModelVersion.DeepseekV41Flash  # as our DeepseekV41Config writes it, or by NeMo's field
+    assert use_recipe("auto", {"architectures": ["DeepseekV41ForCausalLM"], "model_type": "deepseek_v41"}) == v41
+    assert use_recipe("auto", {**v4, "kv_source_layer_ids": [0, 0]}) == v41
     assert use_recipe("hermes", v4) is None  # another parser named: the HF template path
     assert use_recipe("auto", {"architectures": ["LlamaForCausalLM"]}) is None
     assert use_recipe("deepseek_v4", {}) == dr.ModelVersion.DeepseekV4Pro
