@@ -35,6 +35,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     p.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
     p.add_argument("--no-prefix-cache", action="store_true")
+    p.add_argument("--overlap-schedule", action="store_true", help="schedule step N+1 and land "
+                   "step N-1 while step N's forward runs on a worker thread (same outputs)")
     add_window_args(p)
     add_tier_args(p)
     add_speculative_args(p)
@@ -139,7 +141,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         page_size=args.page_size, num_pages=args.num_pages,
         kv_cache_memory_gb=args.kv_cache_memory_gb, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
-        enable_prefix_cache=not args.no_prefix_cache,
+        enable_prefix_cache=not args.no_prefix_cache, overlap_schedule=args.overlap_schedule,
         window_reuse=args.window_reuse, window_snapshot_gb=args.window_snapshot_gb,
         window_snapshot_interval=args.window_snapshot_interval,
         window_replay_tokens=args.window_replay_tokens, window_ring=not args.no_window_ring,

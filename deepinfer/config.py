@@ -59,6 +59,9 @@ class EngineConfig:
     # many MiB per idle period (kv/tiers/promotion.py); 0 = off (the default)
     kv_idle_promote_mb: float = 0.0
     speculative_config: SpeculativeConfig | None = None  # None: no speculative decoding
+    # overlap.py: the engine schedules step N+1 and lands N-1 while N's forward runs on a worker
+    # thread; outputs are identical either way
+    overlap_schedule: bool = False
     seed: int = 0
     progress: bool = True
 

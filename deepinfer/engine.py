@@ -1,8 +1,8 @@
 """LLMEngine: requests in, tokens out, one ``step()`` at a time.
 
 Holds the tokenizer, the scheduler, the KV cache manager and the model runner, and applies
-stop conditions. It is synchronous and single-threaded; the server drives it from its own
-thread, the offline API from a loop.
+stop conditions. It is synchronous (``overlap.py`` runs forwards on a worker thread); the
+server drives it from its own thread, the offline API from a loop.
 
 Fault isolation: ``add_request`` checks every value against the ranges the step can use
 (``limits.py``), and an exception in one request's own work (scheduling, hashing, sampling,
@@ -34,10 +34,12 @@ from .limits import SEED_MAX, check_text, is_int
 from .loader import load_checkpoint
 from .log_limit import RateLimitedLog
 from .model_runner import ModelRunner
+from .overlap import OverlapScheduler
 from .request import Request, SampleGroup
 from .request_output import RequestOutput, request_output
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler
+from .scoring import score_prompts
 from .spec.step import build_decoder, emit_verified
 from .threads import apply_thread_policy
 
@@ -88,10 +90,13 @@ class LLMEngine:
         self.spec = None if config.speculative_config is None else build_decoder(
             config, ckpt, self.runner, self.kv,
             min(self.scheduler.max_chunk, config.max_num_batched_tokens), self.max_model_len)
+        self.overlap = OverlapScheduler(self) if config.overlap_schedule else None
 
     def shutdown(self, timeout: float | None = 60.0) -> bool:
         """Graceful stop: wait for queued L2/L3 writes to land, stop the tier threads.
         Idempotent; True if every pending write finished in time."""
+        if self.overlap is not None:
+            self.overlap.close()
         if self.tiers is None:
             return True
         return self.tiers.close(timeout)
@@ -179,23 +184,30 @@ class LLMEngine:
                     self.scheduler.finish(m, "abort")
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or (self.overlap is not None and self.overlap.in_flight is not None)
 
     # ------------------------------------------------------------------ stepping
     def step(self) -> list[Request]:
         """Run one batch; returns the requests that got a token or ended (finished ones, and
-        failed ones: finish reason ``error``, ``req.error`` says why)."""
+        failed ones: finish reason ``error``, ``req.error`` says why); with overlap, mostly
+        those of the step launched the call before."""
         self.kv.poll()
-        batch = self.scheduler.schedule()
-        out: list[Request] = []
-        if batch.items and self.spec is not None:
-            out += self._step_speculative(batch.items, batch.num_tokens)
-        elif batch.items:
-            for items, sampled, logits in self._forward(batch.items):
-                out += self._advance(items, sampled, logits)
-        elif self.scheduler.waiting and self.kv.loads_in_flight():
-            self.kv.wait_for_loads(0.05)  # only loading requests are left: no busy loop
+        out = self.plain_step() if self.overlap is None else self.overlap.step()
         return out + self._take_failed()
+
+    def plain_step(self) -> list[Request]:
+        """Schedule, run and land one batch (no step in flight)."""
+        batch = self.scheduler.schedule()
+        if not batch.items:
+            self.wait_for_loads()
+            return []
+        if self.spec is not None:
+            return self._step_speculative(batch.items, batch.num_tokens)
+        return [r for part in self._forward(batch.items) for r in self._advance(*part)]
+
+    def wait_for_loads(self) -> None:
+        if self.scheduler.waiting and self.kv.loads_in_flight():
+            self.kv.wait_for_loads(0.05)  # only loading requests are left: no busy loop
 
     def _forward(self, items: list[tuple[Request, int]]
                  ) -> list[tuple[list[tuple[Request, int]], list[Request], torch.Tensor | None]]:
@@ -244,9 +256,7 @@ class LLMEngine:
         prefilled: list[Request] = []  # prefill_only requests whose prompt is done: no sampling
         for req, n in items:
             try:
-                self.kv.stats.computed_prompt_tokens += max(
-                    0, min(n, req.num_prompt_tokens - req.num_computed_tokens))
-                req.num_computed_tokens += n
+                self.count_computed(req, n)
                 self.kv.cache_pages(req)
                 if req.params.prefill_only and req.num_computed_tokens >= req.num_tokens:
                     self.scheduler.finish(req, "prefill")
@@ -262,11 +272,27 @@ class LLMEngine:
         if any(r.awaiting_fork for r in sampled):
             sampled, fork_rows = self._fork(sampled)
             logits = logits[torch.tensor(fork_rows, device=logits.device)]
-        sampled, result, failed = self.runner.sample(sampled, logits)
+        return prefilled + self.commit(*self.runner.sample(sampled, logits))
+
+    def count_computed(self, req: Request, n: int) -> int:
+        """Count ``n`` more tokens of ``req`` as computed; returns how many were prompt tokens."""
+        prompt = max(0, min(n, req.num_prompt_tokens - req.num_computed_tokens))
+        self.kv.stats.computed_prompt_tokens += prompt
+        req.num_computed_tokens += n
+        return prompt
+
+    def commit(self, sampled: list[Request], result: SampleResult | None,
+               failed: list[tuple[Request, Exception]]) -> list[Request]:
+        """Append each sampled token and check stops; fail the requests whose sampling raised.
+        A request that finished while its step was in flight (overlap) drops its token."""
         for req, e in failed:
-            self.scheduler.fail(req, e)
+            if not req.is_finished:
+                self.scheduler.fail(req, e)
         now = time.monotonic()
+        out = []
         for i, req in enumerate(sampled):
+            if req.is_finished:
+                continue
             try:
                 self._append(req, i, result, now)
             except Exception as e:  # noqa: BLE001
@@ -275,7 +301,8 @@ class LLMEngine:
             if req.is_finished:
                 req.finish_time = now
                 self.requests.pop(req.request_id, None)
-        return prefilled + [r for r in sampled if r.finish_reason != "error"]
+            out.append(req)
+        return out
 
     def _append(self, req: Request, i: int, result: SampleResult, now: float) -> None:
         tok = result.tokens[i]
@@ -387,6 +414,8 @@ class LLMEngine:
         while any(not r.is_finished or (r.group is not None and not r.group.is_finished)
                   for r in reqs):
             self.step()
+        if self.overlap is not None:
+            self.overlap.drain()  # a last step may still compute tokens nobody keeps
         return [o for r in reqs for o in self.group_outputs(r)]
 
     def stats(self) -> dict:
@@ -416,33 +445,7 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ scoring
     def score(self, prompts: list[list[int]], cache_salt: str | None = None) -> list[tuple[torch.Tensor, int]]:
-        """Teacher-forced logits: for each prompt, the logits of every token this call computes
-        (all but its cached or replayed prefix) and that prefix's length. The prompts' pages are cached
-        like any request's. Only for an otherwise idle engine (tests, evaluation, benchmarks)."""
-        if self.scheduler.has_work():
-            raise RuntimeError("score() needs an idle engine")
-        params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-        reqs = [self.add_request(p, params, cache_salt=cache_salt) for p in prompts]
-        chunks: dict[int, list[torch.Tensor]] = {id(r): [] for r in reqs}
-        left = set(map(id, reqs))
-        while left:
-            self.kv.poll()
-            batch = self.scheduler.schedule()
-            if not batch.items:
-                self.kv.wait_for_loads(0.05)
-                continue
-            logits = self.runner.prompt_logits(batch.items)
-            off = 0  # the runner puts one-token items first, then the longer chunks
-            for req, n in sorted(batch.items, key=lambda it: it[1] > 1):
-                chunks[id(req)].append(logits[off : off + n])
-                off += n
-                req.num_computed_tokens += n
-                self.kv.cache_pages(req)
-                if req.num_computed_tokens >= req.num_tokens:
-                    self.scheduler.finish(req, "length")
-                    self.requests.pop(req.request_id, None)
-                    left.discard(id(req))
-        # Replayed tokens (sliding-window models, kv/window/) were recomputed with a window
-        # that may start short: their logits are not the model's, so they are left out.
-        return [(torch.cat(chunks[id(r)])[r.num_replayed_tokens :],
-                 (r.num_cached_tokens or 0) + r.num_replayed_tokens) for r in reqs]
+        """Teacher-forced logits of ``prompts`` (``scoring.py``); only for an idle engine."""
+        if self.overlap is not None:
+            self.overlap.drain()
+        return score_prompts(self, prompts, cache_salt)

@@ -6,6 +6,8 @@ ids and page ids only.
 
 from __future__ import annotations
 
+import hashlib
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -29,6 +31,16 @@ if TYPE_CHECKING:
     from .loader import Checkpoint
 
 
+@dataclass
+class PreparedStep:
+    """A step's tensors and who samples; ``pending`` are inputs (index into ``input_ids``,
+    request) whose token the step before samples (overlap scheduling), set before the forward."""
+
+    batch: ForwardBatch
+    sampled: list[Request]
+    pending: list[tuple[int, Request]]
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, ckpt: Checkpoint, max_model_len: int) -> None:
         self.config = config
@@ -44,7 +56,6 @@ class ModelRunner:
         self.window = self.device_kv.window  # sliding-window rings (kv/window/), if any
         self.window_layout = self.window.layout if self.window is not None else None
         self.kv_buffers = self.device_kv.layer_buffers(len(self.specs))
-        self._generator = torch.Generator(device=self.device).manual_seed(config.seed)
         self.workspace = Workspace()  # gathered decode K/V, shared by every layer and step
 
     def _build_model(self, ckpt: Checkpoint, max_model_len: int):
@@ -76,7 +87,7 @@ class ModelRunner:
         return linear_weights(model, gguf_weights(ckpt.path, ckpt.gguf, bits))
 
     # ------------------------------------------------------------------ batch
-    def prepare(self, items: list[tuple[Request, int]]) -> tuple[ForwardBatch, list[Request]]:
+    def prepare(self, items: list[tuple[Request, int]]) -> PreparedStep:
         """Flatten a step: one-token items form the batched decode group, then prefill chunks."""
         ps = self.page_size
         decodes = [(r, n) for r, n in items if n == 1]
@@ -86,9 +97,14 @@ class ModelRunner:
         slots: list[int] = []
         sampled: list[Request] = []
         logit_idx: list[int] = []
+        pending: list[tuple[int, Request]] = []
         for r, _ in decodes:
             pos = r.num_computed_tokens
-            ids.append(r.token_at(pos))
+            if pos < r.num_tokens:
+                ids.append(r.token_at(pos))
+            else:  # sampled by the step in flight: a placeholder until the forward
+                pending.append((len(ids), r))
+                ids.append(0)
             positions.append(pos)
             slots.append(r.pages[pos // ps] * ps + pos % ps)
         decode_pages = decode_lens = None
@@ -109,7 +125,7 @@ class ModelRunner:
         q_end = 0
         for r, n in decodes + prefills:
             q_end += n
-            if r.num_computed_tokens + n == r.num_tokens and not r.params.prefill_only:
+            if r.num_computed_tokens + n == r.num_scheduled_tokens and not r.params.prefill_only:
                 logit_idx.append(q_end - 1)
                 sampled.append(r)
         dev = self.device
@@ -127,23 +143,37 @@ class ModelRunner:
         )
         if self.window is not None:
             self.window.attach(batch, decodes, prefills, self.device_kv.window_chunk_tokens)
-        return batch, sampled
+        return PreparedStep(batch, sampled, pending)
 
     @torch.inference_mode()
     def forward(self, items: list[tuple[Request, int]]) -> tuple[list[Request], torch.Tensor | None]:
         """Run one step; returns the requests that produce a token and their logits rows."""
-        batch, sampled = self.prepare(items)
+        step = self.prepare(items)
+        return step.sampled, self.logits(step)
+
+    @torch.inference_mode()
+    def logits(self, step: PreparedStep, tokens: dict[Request, int] | None = None) -> torch.Tensor | None:
+        """Forward a prepared step; ``tokens`` holds its pending inputs' values. The logits rows
+        of the sampled requests (None when none samples)."""
+        batch = step.batch
+        if step.pending:
+            assert tokens is not None, "a step with pending inputs needs the step before's tokens"
+            at = torch.tensor([i for i, _ in step.pending], device=self.device)
+            # (a request missing from ``tokens`` failed in the step before: its row is dropped)
+            batch.input_ids[at] = torch.tensor([tokens.get(r, 0) for _, r in step.pending],
+                                               device=self.device)
         hidden = self.model(batch, self.kv_buffers)
-        if not sampled:
-            return sampled, None
-        return sampled, self.model.compute_logits(hidden[batch.logits_indices])
+        if not step.sampled:
+            return None
+        return self.model.compute_logits(hidden[batch.logits_indices])
 
     @torch.inference_mode()
     def forward_spans(self, items: list[tuple[Request, int]],
                       spans: dict[Request, int]) -> tuple[list[Request], list[torch.Tensor]]:
         """Like ``forward``, with the logits of the last ``spans[r]`` new tokens of each request
         r there (one row for the others): speculative verify spans (``spec/``)."""
-        batch, sampled = self.prepare(items)
+        step = self.prepare(items)
+        batch, sampled = step.batch, step.sampled
         hidden = self.model(batch, self.kv_buffers)
         if not sampled:
             return sampled, []
@@ -214,14 +244,19 @@ class ModelRunner:
     @torch.inference_mode()
     def prompt_logits(self, items: list[tuple[Request, int]]) -> torch.Tensor:
         """Logits of every new token of a one-request batch (for tests and scoring)."""
-        batch, _ = self.prepare(items)
+        batch = self.prepare(items).batch
         return self.model.compute_logits(self.model(batch, self.kv_buffers)).float()
 
     def request_generator(self, r: Request) -> torch.Generator | None:
+        """Every sampling request draws from its own generator: its seed, or one derived from
+        the engine seed and its id, so no request's draws depend on what else ran (or on the
+        dropped extra tokens of overlap scheduling)."""
         if r.params.greedy:
             return None
-        if r.params.seed is None:
-            return self._generator
         if r.generator is None:
-            r.generator = torch.Generator(device=self.device).manual_seed(r.params.seed)
+            seed = r.params.seed
+            if seed is None:
+                digest = hashlib.blake2b(f"{self.config.seed}|{r.request_id}".encode(), digest_size=8)
+                seed = int.from_bytes(digest.digest(), "little") >> 1
+            r.generator = torch.Generator(device=self.device).manual_seed(seed)
         return r.generator

@@ -39,7 +39,9 @@ class Request:
     stop_reason: int | str | None = None
     # KV state
     pages: list[int] = field(default_factory=list)  # L1 page table
-    num_computed_tokens: int = 0  # tokens whose KV is in ``pages``
+    num_computed_tokens: int = 0  # tokens whose KV is in ``pages`` (or written by a step in flight)
+    # overlap scheduling: tokens a step in flight samples, not known yet (the next step's input)
+    num_pending_tokens: int = 0
     page_hashes: list[bytes] = field(default_factory=list)  # chained hashes of full pages
     num_tree_pages: int = 0  # leading pages of ``pages`` owned by the radix tree
     locked_node: Node | None = None
@@ -73,6 +75,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        """Known tokens plus the pending ones: what the scheduler has to compute up to."""
+        return self.num_tokens + self.num_pending_tokens
 
     @property
     def all_token_ids(self) -> list[int]:

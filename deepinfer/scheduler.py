@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 @dataclass
 class ScheduledBatch:
     items: list[tuple[Request, int]]  # (request, tokens computed this step)
+    blocked: bool = False  # a running request needs pages that only a preemption would free
 
     @property
     def num_tokens(self) -> int:
@@ -72,14 +73,19 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> ScheduledBatch:
+    def schedule(self, preempt: bool = True) -> ScheduledBatch:
+        """The next step's items. ``preempt=False`` (overlap: a step in flight may still write
+        a victim's pages and owes it a token): stop at ``blocked`` instead of preempting."""
         budget = self.config.max_num_batched_tokens
         items: list[tuple[Request, int]] = []
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget, self.max_chunk)
-            if self._fit_running(req, n):
+            n = min(req.num_scheduled_tokens - req.num_computed_tokens, budget, self.max_chunk)
+            fits = self._fit_running(req, n, preempt)
+            if fits is None:
+                return ScheduledBatch(items, blocked=True)
+            if fits:
                 items.append((req, n))
                 budget -= n
                 i += 1
@@ -112,9 +118,10 @@ class Scheduler:
             budget -= n
         return ScheduledBatch(items)
 
-    def _fit_running(self, req: Request, n: int) -> bool:
+    def _fit_running(self, req: Request, n: int, preempt: bool) -> bool | None:
         """Allocate ``n`` slots for running ``req``, preempting the newest requests while pages
-        run out. False if ``req`` itself got preempted or failed."""
+        run out. False if ``req`` itself got preempted or failed; None if it needs a preemption
+        that ``preempt=False`` forbids."""
         while True:
             try:
                 if self.kv.allocate(req, n):
@@ -122,6 +129,8 @@ class Scheduler:
             except Exception as e:  # noqa: BLE001
                 self.fail(req, e)
                 return False
+            if not preempt:
+                return None
             victim = self.running[-1]
             try:
                 self._preempt(victim)

@@ -2,7 +2,8 @@
 
 Each poison below once crashed a whole engine step (and with it every request decoding at the
 time). Validation now stops them at ``add_request``; these tests switch validation off to show
-that, should such a value get through anyway, only its own request fails."""
+that, should such a value get through anyway, only its own request fails. With overlap
+scheduling too (a step that raises on the worker thread is rolled back and run plainly)."""
 
 import pytest
 import torch
@@ -71,9 +72,13 @@ def expected(tiny_llama):
     return run(make(tiny_llama))[0]
 
 
+OVERLAP = pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlap"])
+
+
+@OVERLAP
 @pytest.mark.parametrize("bad_params", SAMPLING_POISONS, ids=lambda d: f"{d}")
-def test_sampling_poison_fails_alone(tiny_llama, expected, monkeypatch, bad_params):
-    eng = make(tiny_llama)
+def test_sampling_poison_fails_alone(tiny_llama, expected, monkeypatch, bad_params, overlap):
+    eng = make(tiny_llama, overlap_schedule=overlap)
     unchecked(monkeypatch)
 
     def poison(e):
@@ -90,9 +95,10 @@ def test_sampling_poison_fails_alone(tiny_llama, expected, monkeypatch, bad_para
     assert_clean(eng)
 
 
+@OVERLAP
 @pytest.mark.parametrize("case", list(OTHER_POISONS))
-def test_step_and_postprocessing_poison_fails_alone(tiny_llama, expected, monkeypatch, case):
-    eng = make(tiny_llama)
+def test_step_and_postprocessing_poison_fails_alone(tiny_llama, expected, monkeypatch, case, overlap):
+    eng = make(tiny_llama, overlap_schedule=overlap)
     unchecked(monkeypatch)
     prompt, extra = OTHER_POISONS[case]
     got, bad = run(eng, lambda e: e.add_request(prompt, SamplingParams(max_tokens=5, **extra)))
@@ -101,10 +107,11 @@ def test_step_and_postprocessing_poison_fails_alone(tiny_llama, expected, monkey
     assert_clean(eng)
 
 
+@OVERLAP
 @pytest.mark.parametrize("host_gb", [0.0, 0.01], ids=["L1 only", "with L2"])
-def test_unencodable_salt_fails_alone(tiny_llama, expected, monkeypatch, host_gb):
+def test_unencodable_salt_fails_alone(tiny_llama, expected, monkeypatch, host_gb, overlap):
     """The salt that bricked the server: hashing it raised in every later step."""
-    eng = make(tiny_llama, host_cache_gb=host_gb)
+    eng = make(tiny_llama, host_cache_gb=host_gb, overlap_schedule=overlap)
     unchecked(monkeypatch)
     failed = []
 

@@ -319,11 +319,13 @@ class KVCacheManager:
             self.allocator.free(node.tiers[DEVICE])
 
     # ------------------------------------------------------------------ caching
-    def cache_pages(self, req: Request) -> None:
-        """Hand every newly filled page of ``req`` to the tree, so other requests can hit it."""
+    def cache_pages(self, req: Request, num_tokens: int | None = None) -> None:
+        """Hand every newly filled page of ``req`` to the tree, so other requests can hit it.
+        ``num_tokens``: how many tokens' KV is written (default all computed; fewer while a
+        step in flight still writes the rest, see ``overlap.py``)."""
         if self.tree is None:
             return
-        full = req.num_computed_tokens // self.page_size
+        full = (req.num_computed_tokens if num_tokens is None else num_tokens) // self.page_size
         if full <= req.num_tree_pages:
             return
         ps, own = self.page_size, req.num_tree_pages

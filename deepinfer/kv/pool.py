@@ -19,6 +19,9 @@ class PageAllocator:
         self.num_pages = num_pages
         # Page 0 is reserved as padding for batched decode page tables.
         self._free = list(range(num_pages - 1, 0, -1))
+        # Overlap scheduling (``overlap.py``): while a step is in flight, freed pages are parked
+        # here, not reused, because that step may still read or write them.
+        self._held: list[int] | None = None
 
     @property
     def num_free(self) -> int:
@@ -32,7 +35,28 @@ class PageAllocator:
         return out[::-1]
 
     def free(self, pages: list[int]) -> None:
+        (self._free if self._held is None else self._held).extend(pages)
+
+    def hold_frees(self) -> None:
+        """From now on ``free`` parks pages (until ``take_held`` or ``release_hold``)."""
+        if self._held is None:
+            self._held = []
+
+    def take_held(self) -> list[int]:
+        """The pages parked so far (``free`` keeps parking)."""
+        held = self._held or []
+        if self._held is not None:
+            self._held = []
+        return held
+
+    def return_pages(self, pages: list[int]) -> None:
+        """Pages parked by ``free`` that no step in flight uses any more."""
         self._free.extend(pages)
+
+    def release_hold(self) -> None:
+        """Nothing is in flight: every parked page is free, and ``free`` frees at once again."""
+        self._free.extend(self.take_held())
+        self._held = None
 
 
 class PagePool:

@@ -223,12 +223,13 @@ class WindowKVCacheManager(KVCacheManager):
         return pairs
 
     # ------------------------------------------------------------------ snapshots
-    def cache_pages(self, req: Request) -> None:
-        super().cache_pages(req)
+    def cache_pages(self, req: Request, num_tokens: int | None = None) -> None:
+        super().cache_pages(req, num_tokens)
         ring = req.ring
         if self.snapshots is None or ring is None:
             return
-        n, lo = req.num_computed_tokens, ring.snap_upto
+        n = req.num_computed_tokens if num_tokens is None else num_tokens
+        lo = ring.snap_upto
         if n <= lo:
             return
         ring.snap_upto = n
