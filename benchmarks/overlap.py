@@ -18,8 +18,8 @@ import argparse
 import json
 import time
 
+import deepinfer  # noqa: F401  (first: sets the OpenMP wait policy before torch loads)
 import torch
-
 from deepinfer.hardware import lscpu_model
 from deepinfer.llm import LLM
 from deepinfer.sampling_params import SamplingParams
