@@ -160,3 +160,14 @@ def test_forking_request_alone(tiny_llama, kind):
         assert llm.engine.kv.num_free_pages == llm.engine.runner.pool.allocator.num_pages - 1
     assert runs[0] == runs[1]
     assert len(runs[1]) == 4
+
+
+def test_cli_flag():
+    import argparse
+
+    from deepinfer.cli import add_engine_args, engine_config
+
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    assert engine_config(p.parse_args(["--overlap-schedule"])).overlap_schedule
+    assert not engine_config(p.parse_args([])).overlap_schedule
