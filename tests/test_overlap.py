@@ -2,10 +2,13 @@
 kind of request and under preemption, aborts, prefix hits and sliding-window rings, and no page
 is lost or reused early."""
 
+import argparse
+
 import pytest
 import torch
 from transformers import Gemma3TextConfig
 
+from deepinfer.cli import add_engine_args, engine_config
 from deepinfer.llm import LLM
 from deepinfer.sampling_params import SamplingParams
 from tiny_checkpoints import make_checkpoint
@@ -163,10 +166,6 @@ def test_forking_request_alone(tiny_llama, kind):
 
 
 def test_cli_flag():
-    import argparse
-
-    from deepinfer.cli import add_engine_args, engine_config
-
     p = argparse.ArgumentParser()
     add_engine_args(p)
     assert engine_config(p.parse_args(["--overlap-schedule"])).overlap_schedule
