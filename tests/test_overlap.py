@@ -9,6 +9,7 @@ import torch
 from transformers import Gemma3TextConfig
 
 from deepinfer.cli import add_engine_args, engine_config
+from deepinfer.kv.pool import PageAllocator
 from deepinfer.llm import LLM
 from deepinfer.sampling_params import SamplingParams
 from tiny_checkpoints import make_checkpoint
@@ -170,3 +171,20 @@ def test_cli_flag():
     add_engine_args(p)
     assert engine_config(p.parse_args(["--overlap-schedule"])).overlap_schedule
     assert not engine_config(p.parse_args([])).overlap_schedule
+
+
+def test_allocator_parks_frees_while_a_step_is_in_flight():
+    a = PageAllocator(6)
+    pages = a.alloc(3)
+    a.hold_frees()
+    a.free(pages[:2])
+    assert a.num_free == 2  # parked, not reusable yet
+    held = a.take_held()
+    assert sorted(held) == sorted(pages[:2]) and a.take_held() == []
+    a.free(pages[2:])
+    a.return_pages(held)  # the step that could use them landed
+    assert a.num_free == 4
+    a.release_hold()  # nothing in flight: the rest comes back and frees are immediate again
+    assert a.num_free == 5
+    a.free(a.alloc(1))
+    assert a.num_free == 5
