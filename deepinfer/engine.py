@@ -446,6 +446,4 @@ class LLMEngine:
     # ------------------------------------------------------------------ scoring
     def score(self, prompts: list[list[int]], cache_salt: str | None = None) -> list[tuple[torch.Tensor, int]]:
         """Teacher-forced logits of ``prompts`` (``scoring.py``); only for an idle engine."""
-        if self.overlap is not None:
-            self.overlap.drain()
         return score_prompts(self, prompts, cache_salt)

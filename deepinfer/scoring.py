@@ -18,6 +18,8 @@ def score_prompts(engine: LLMEngine, prompts: list[list[int]],
     """Teacher-forced logits: for each prompt, the logits of every token this call computes
     (all but its cached or replayed prefix) and that prefix's length. The prompts' pages are cached
     like any request's. Only for an otherwise idle engine (tests, evaluation, benchmarks)."""
+    if engine.overlap is not None:
+        engine.overlap.drain()  # a last step may still be in flight
     if engine.scheduler.has_work():
         raise RuntimeError("score() needs an idle engine")
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
