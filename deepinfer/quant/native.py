@@ -8,8 +8,10 @@ activations as they are.
 
 ``torch.utils.cpp_extension.load`` compiles it once per machine into torch's extension cache
 (``$TORCH_EXTENSIONS_DIR``), under a name keyed by the source, the compiler flags and the torch
-version, so a new source or another CPU class builds afresh and concurrent first uses wait on
-each other. AVX2+FMA code where torch itself runs AVX2 or better (detected at run time), portable
+version, so a new source or another CPU class builds afresh. Concurrent first uses wait on each
+other through an ``flock`` on the build folder, which the OS drops when its holder dies: torch's
+own lock is a plain file that a process killed mid-build leaves behind, and every later ``load``
+would wait on it forever, so a leftover one found while holding the flock is removed. AVX2+FMA code where torch itself runs AVX2 or better (detected at run time), portable
 scalar code elsewhere. A failed build (no compiler, no ninja) is not an error: ``native_kernel``
 says why, and the plan falls back to de-quantizing per matmul. ``DEEPINFER_NO_NATIVE_KERNELS=1``
 skips the build.
@@ -17,6 +19,7 @@ skips the build.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 from dataclasses import dataclass
@@ -57,10 +60,16 @@ def native_kernel() -> NativeKernel:
         return NativeKernel("", f"disabled by {DISABLE_ENV}")
     flags = compiler_flags()
     try:
-        from torch.utils.cpp_extension import load
+        from torch.utils.cpp_extension import get_default_build_root, load
 
-        load(name=build_name(flags), sources=[str(SOURCE)], extra_cflags=flags,
-             extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+        name = build_name(flags)
+        build_dir = Path(get_default_build_root()) / name
+        build_dir.mkdir(parents=True, exist_ok=True)
+        with open(build_dir / "deepinfer.flock", "w") as held:
+            fcntl.flock(held, fcntl.LOCK_EX)  # released on close, or by the OS if this process dies
+            (build_dir / "lock").unlink(missing_ok=True)  # torch's, left by a killed build
+            load(name=name, sources=[str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+                 build_directory=str(build_dir), is_python_module=False, verbose=False)
         return NativeKernel(torch.ops.deepinfer_quant.isa())
     except Exception as e:  # noqa: BLE001  (any build or load failure means: use the fallback)
         reason = str(e).strip().splitlines()
