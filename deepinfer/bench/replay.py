@@ -135,6 +135,7 @@ class _LazyAllocator(PageAllocator):
         self.num_pages = num_pages
         self._free: list[int] = []
         self._next = 1  # page 0 is reserved, as in the engine
+        self._held: list[int] | None = None  # the planner never holds frees (no step in flight)
 
     @property
     def num_free(self) -> int:
