@@ -31,15 +31,34 @@ from __future__ import annotations
 import itertools
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from .kv.cache_manager import KVCacheManager
 from .kv.pool import PageAllocator
 from .layers.sampler import SampleResult
 from .model_runner import ModelRunner, PreparedStep
 from .request import Request
+from .scheduler import Scheduler
+from .spec.decoder import SpeculativeDecoder
 
-if TYPE_CHECKING:
-    from .engine import LLMEngine
+
+class SteppingEngine(Protocol):
+    """What the overlap scheduler uses of ``LLMEngine`` (which owns it): typed here so this
+    module does not import the engine back."""
+
+    scheduler: Scheduler
+    kv: KVCacheManager
+    runner: ModelRunner
+    spec: SpeculativeDecoder | None
+
+    def plain_step(self) -> list[Request]: ...
+
+    def wait_for_loads(self) -> None: ...
+
+    def count_computed(self, req: Request, n: int) -> int: ...
+
+    def commit(self, sampled: list[Request], result: SampleResult | None,
+               failed: list[tuple[Request, Exception]]) -> list[Request]: ...
 
 # what sampling a step gives: the requests that got a token, their tokens, those whose sampling raised
 Sampled = tuple[list[Request], SampleResult | None, list[tuple[Request, Exception]]]
@@ -63,7 +82,7 @@ class SkippedStep(RuntimeError):
 class OverlapScheduler:
     """Drives ``engine`` one step ahead: at most two steps are launched and not landed."""
 
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: SteppingEngine) -> None:
         self.engine = engine
         self.runner: ModelRunner = engine.runner
         self.in_flight: InFlightStep | None = None  # the newest step launched

@@ -3,17 +3,32 @@ KV and prefix cache (accuracy checks of the KV codecs and tiers, tests, benchmar
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
+from .kv.cache_manager import KVCacheManager
+from .model_runner import ModelRunner
+from .overlap import OverlapScheduler
+from .request import Request
 from .sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from .engine import LLMEngine
+from .scheduler import Scheduler
 
 
-def score_prompts(engine: LLMEngine, prompts: list[list[int]],
+class ScoredEngine(Protocol):
+    """What scoring uses of ``LLMEngine``: typed here so this module does not import the engine."""
+
+    overlap: OverlapScheduler | None
+    scheduler: Scheduler
+    kv: KVCacheManager
+    runner: ModelRunner
+    requests: dict[str, Request]
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams,
+                    request_id: str | None = None, cache_salt: str | None = None) -> Request: ...
+
+
+def score_prompts(engine: ScoredEngine, prompts: list[list[int]],
                   cache_salt: str | None = None) -> list[tuple[torch.Tensor, int]]:
     """Teacher-forced logits: for each prompt, the logits of every token this call computes
     (all but its cached or replayed prefix) and that prefix's length. The prompts' pages are cached

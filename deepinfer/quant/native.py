@@ -22,6 +22,7 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import os
+import sys
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -48,8 +49,16 @@ def compiler_flags() -> list[str]:
     return ["-O3", "-fopenmp", *isa]
 
 
+def build_root() -> Path:
+    """Where torch keeps built extensions: ``$TORCH_EXTENSIONS_DIR``, else its cache folder."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
+
+
 def build_name(flags: list[str]) -> str:
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode() + torch.__version__.encode())
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode() + torch.__version__.encode()
+                         + sys.version.encode())
     return f"deepinfer_qgemm_{key.hexdigest()[:16]}"
 
 
@@ -60,10 +69,10 @@ def native_kernel() -> NativeKernel:
         return NativeKernel("", f"disabled by {DISABLE_ENV}")
     flags = compiler_flags()
     try:
-        from torch.utils.cpp_extension import get_default_build_root, load
+        from torch.utils.cpp_extension import load
 
         name = build_name(flags)
-        build_dir = Path(get_default_build_root()) / name
+        build_dir = build_root() / name
         build_dir.mkdir(parents=True, exist_ok=True)
         with open(build_dir / "deepinfer.flock", "w") as held:
             fcntl.flock(held, fcntl.LOCK_EX)  # released on close, or by the OS if this process dies

@@ -4,7 +4,6 @@ invariance, the layer's use of it, and the fallback when it is disabled or does 
 from __future__ import annotations
 
 import threading
-from pathlib import Path
 
 import pytest
 import torch
@@ -87,9 +86,8 @@ def test_lock_left_by_a_killed_build_does_not_hang_the_next(kernel, fresh_build,
     source.write_text("extern \"C\" int deepinfer_probe() { return 1; }\n")
     fresh_build.setattr(native, "SOURCE", source)
     fresh_build.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
-    from torch.utils.cpp_extension import get_default_build_root
-
-    build_dir = Path(get_default_build_root()) / native.build_name(native.compiler_flags())
+    build_dir = native.build_root() / native.build_name(native.compiler_flags())
+    assert build_dir.is_relative_to(tmp_path)
     build_dir.mkdir(parents=True)
     (build_dir / "lock").touch()  # what the killed build left
     done: list = []
@@ -162,9 +160,8 @@ def test_lock_left_by_a_killed_build_does_not_hang_the_next(kernel, fresh_build,
     source.write_text("extern \"C\" int deepinfer_probe() { return 1; }\n")
     fresh_build.setattr(native, "SOURCE", source)
     fresh_build.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
-    from torch.utils.cpp_extension import get_default_build_root
-
-    build_dir = Path(get_default_build_root()) / native.build_name(native.compiler_flags())
+    build_dir = native.build_root() / native.build_name(native.compiler_flags())
+    assert build_dir.is_relative_to(tmp_path)
     build_dir.mkdir(parents=True)
     (build_dir / "lock").touch()  # what the killed build left
     done: list = []
