@@ -3,8 +3,6 @@ invariance, the layer's use of it, and the fallback when it is disabled or does 
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -132,25 +130,6 @@ def test_build_failure_falls_back_to_dequant(fresh_build, tmp_path):
     assert not result.loaded and "did not build" in result.error
     plan = plan_quantization("int8", "auto", CPU, torch.float32)
     assert plan.kernel == "dequant" and "did not build" in plan.describe()
-
-
-def test_lock_left_by_a_killed_build_does_not_hang_the_next(kernel, fresh_build, tmp_path):
-    """torch's build lock is a plain file: a process killed mid-build leaves it, and torch's own
-    ``load`` would then wait forever. A trivial source keeps the build short."""
-    source = tmp_path / "qgemm.cpp"
-    source.write_text("extern \"C\" int deepinfer_probe() { return 1; }\n")
-    fresh_build.setattr(native, "SOURCE", source)
-    fresh_build.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
-    build_dir = native.build_root() / native.build_name(native.compiler_flags())
-    assert build_dir.is_relative_to(tmp_path)
-    build_dir.mkdir(parents=True)
-    (build_dir / "lock").touch()  # what the killed build left
-    done: list = []
-    worker = threading.Thread(target=lambda: done.append(native_kernel()), daemon=True)
-    worker.start()
-    worker.join(300)
-    assert done and done[0].loaded, "the build waited on a dead process's lock"
-    assert list(build_dir.glob("*.so"))
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
