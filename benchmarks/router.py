@@ -76,7 +76,8 @@ def start_workers(n: int, pages: int, max_len: int, logs: Path) -> tuple[list[st
     return urls, procs
 
 
-def start_front(config: str, workers: list[str], logs: Path) -> tuple[str, subprocess.Popen]:
+def start_front(config: str, workers: list[str], logs: Path,
+                kv_args: list[str]) -> tuple[str, subprocess.Popen]:
     port = free_port()
     if config == "sglang_cache_aware":
         args = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
@@ -85,7 +86,8 @@ def start_front(config: str, workers: list[str], logs: Path) -> tuple[str, subpr
     else:
         args = [sys.executable, "-m", "deepinfer.cli", "router", "--port", str(port),
                 "--policy", config, "--log-level", "warning",
-                *[a for w in workers for a in ("--worker", w)]]
+                *[a for w in workers for a in ("--worker", w)],
+                *(kv_args if config == "kv" else [])]
     proc = spawn(args, logs / f"{config}.log")
     url = f"http://127.0.0.1:{port}"
     wait_ready(url, proc, "/v1/models" if config == "sglang_cache_aware" else "/health")
@@ -114,14 +116,15 @@ def workloads(quick: bool) -> dict:
     }
 
 
-def run_one(config: str, wl, pages: int, max_len: int, concurrency: int, logs: Path) -> dict:
+def run_one(config: str, wl, pages: int, max_len: int, concurrency: int, logs: Path,
+            kv_args: list[str]) -> dict:
     single = config == "single_engine_2x"
     workers, procs = start_workers(1 if single else 2, pages * 2 if single else pages, max_len,
                                    logs)
     try:
         base = workers[0]
         if not single:
-            base, front = start_front(config, workers, logs)
+            base, front = start_front(config, workers, logs, kv_args)
             procs.append(front)
         model = httpx.get(workers[0] + "/v1/models").json()["data"][0]["id"]
         cfg = ClientConfig(base_url=base, model=model, concurrency=concurrency,
@@ -170,13 +173,15 @@ def main() -> None:
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--workloads", default="chat,agent")
     ap.add_argument("--out", default="results/router")
+    ap.add_argument("--kv-args", default="", help="extra `deepinfer router` options of the kv "
+                                                  "row, e.g. \"--overlap-weight 2\"")
     args = ap.parse_args()
     out = Path(args.out)
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     wls = workloads(args.quick)
     res = {"cpu": lscpu_model(), "pages_per_worker": args.pages, "quick": args.quick,
-           "concurrency": args.concurrency, "workloads": {},
+           "concurrency": args.concurrency, "kv_args": args.kv_args, "workloads": {},
            "note": f"2 workers x {args.pages} pages of 16 tokens, --threads 1 each; single "
                    f"engine: {2 * args.pages} pages; client concurrency {args.concurrency}"}
     for name in args.workloads.split(","):
@@ -184,7 +189,7 @@ def main() -> None:
         for config in args.configs.split(","):
             print(f"{name} / {config} ...", file=sys.stderr, flush=True)
             rows[config] = run_one(config, wls[name], args.pages, args.max_model_len,
-                                   args.concurrency, logs)
+                                   args.concurrency, logs, args.kv_args.split())
             print(f"  {rows[config]}", file=sys.stderr, flush=True)
     (out / "summary.json").write_text(json.dumps(res, indent=1))
     md = markdown(res)

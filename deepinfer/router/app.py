@@ -24,34 +24,39 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from ..server.boundary import CatchAll, read_json
+from ..server.anthropic import error_response, parse_messages_request
 from ..server.protocol import APIError, parse_request
 from .config import RouterConfig
 from .events import follow
 from .index import PrefixIndex
 from . import pd
 from .metrics import render
-from .policy import Choice, Policy
+from .policy import Choice, CostWeights, Policy
 from .prompts import PromptTokenizer, RoutedPrompt
-from .proxy import UsageSniffer, cached_tokens, passed_headers, streamed, unless_disconnected, whole
-from .workers import Worker, WorkerPool
+from .proxy import (StreamSniffer, cached_tokens, passed_headers, streamed,
+                    unless_disconnected, whole)
+from .workers import Routed, Worker, WorkerPool
 
 log = logging.getLogger("deepinfer.router")
 
 T = TypeVar("T")
 MAX_BODY_BYTES = 16 * 2**20
 _RETRYABLE = (httpx.ConnectError, httpx.ConnectTimeout)  # nothing reached the worker
+# a client's headers passed on to the worker (its key, Anthropic's version header)
+_CLIENT_HEADERS = ("authorization", "x-api-key", "anthropic-version")
 
 
 class Router:
     def __init__(self, config: RouterConfig, tokenizer) -> None:
         self.config = config
-        self.index = PrefixIndex()
+        self.index = PrefixIndex(config.pending_ttl_s)
         roles = [(u, "both") for u in config.workers] + \
             [(u, "prefill") for u in config.prefill_workers] + \
             [(u, "decode") for u in config.decode_workers]
         self.pool = WorkerPool([Worker(u, r) for u, r in roles], self.index,
-                               config.health_interval_s)
-        self.policy = Policy(config.policy, self.index, config.overlap_weight)
+                               config.health_interval_s, config.worker_api_key)
+        self.policy = Policy(config.policy, self.index,
+                             CostWeights(config.overlap_weight, config.decode_weight))
         self.tokens = PromptTokenizer(tokenizer)
         self.client: httpx.AsyncClient | None = None
         self.retries = 0
@@ -66,15 +71,39 @@ class Router:
                            type="server_error", code="no_worker")
         return self.policy.pick(workers, prompt, use_cache=role != "decode")
 
+    def route(self, choice: Choice, prompt: RoutedPrompt, cached: bool) -> Routed:
+        """The load ``prompt`` adds on the chosen worker; ``cached`` (it computes the prompt
+        there): its pages become pending there, so the next request sharing them follows."""
+        w = choice.worker
+        to_prefill = prompt.prompt_pages(w.page_size) - choice.overlap.pages if cached else 0
+        r = Routed(prompt.pages(w.page_size), to_prefill)
+        w.begin(r)
+        if cached and w.synced and w.model_identity is not None and w.page_size is not None:
+            self.index.add_pending(w.url, prompt.page_hashes(w.model_identity, w.page_size))
+        return r
+
+    def unroute(self, choice: Choice, prompt: RoutedPrompt) -> None:
+        """The request failed on the chosen worker: its pages are not coming there."""
+        w = choice.worker
+        if w.model_identity is not None and w.page_size is not None:
+            self.index.forget_pending(w.url, prompt.page_hashes(w.model_identity, w.page_size))
+
+    def counted(self, choice: Choice) -> None:
+        w = choice.worker
+        w.routed += 1
+        w.predicted_hit_tokens += choice.predicted_hit_tokens
+        w.pending_hit_tokens += choice.pending_hit_tokens
+
     async def completion(self, request: Request, kind: str, path: str) -> Response:
+        """``kind``: "chat", "completion" or "messages" (Anthropic's, hashed as a chat)."""
         assert self.client is not None
         body = await read_json(request, MAX_BODY_BYTES)
-        parsed = parse_request(body, kind)
+        parsed = parse_messages_request(body) if kind == "messages" else parse_request(body, kind)
         prompt = await self.tokens.prompt(parsed)
         headers = self._headers(request)
         if self.config.disaggregated:
-            pre, counts = await self.first_answering("prefill", prompt, lambda choice: pd.prefill(
-                self.client, request, choice, kind, body, prompt, headers))
+            pre, counts = await self.first_answering("prefill", prompt, lambda choice: self.prefill(
+                request, choice, kind, body, prompt, headers))
             if not isinstance(counts, dict):  # the client left, or the prefill failed
                 return counts if counts is not None else Response(status_code=499)
             headers = pd.decode_headers(counts, headers, pre.worker.url)
@@ -98,17 +127,39 @@ class Router:
                 self.pool.mark_down(choice.worker, f"{type(e).__name__}: {e}")
                 self.retries += 1
 
+    async def prefill(self, request: Request, choice: Choice, kind: str, body: dict,
+                      prompt: RoutedPrompt, headers: dict[str, str]) -> dict | Response | None:
+        """PD: the prefill worker's counts; its answer itself if it is not a 200; None if the
+        client left."""
+        assert self.client is not None
+        w = choice.worker
+        routed = self.route(choice, prompt, cached=True)
+        resp = None
+        try:
+            resp = await pd.prefill(self.client, request, w.url, kind, body, headers)
+        finally:
+            w.end(routed)
+            if resp is None or resp.status_code != 200:
+                self.unroute(choice, prompt)
+        if resp is None:
+            return None
+        self.counted(choice)
+        if resp.status_code != 200:
+            return pd.failed(resp, w.url)
+        counts = resp.json()
+        w.reported_hit_tokens += int(counts.get("cached_tokens") or 0)
+        return counts
+
     def _headers(self, request: Request) -> dict[str, str]:
-        auth = request.headers.get("authorization")
-        return {"content-type": "application/json", **({"authorization": auth} if auth else {})}
+        passed = {k: request.headers[k] for k in _CLIENT_HEADERS if k in request.headers}
+        return {"content-type": "application/json", **passed}
 
     async def forward(self, request: Request, choice: Choice, path: str, body: dict,
                       prompt: RoutedPrompt, headers: dict[str, str]) -> Response:
         assert self.client is not None
         w = choice.worker
-        pages = prompt.pages(w.page_size)
-        w.begin(pages)
-        handed_off = False
+        routed = self.route(choice, prompt, cached=not self.config.disaggregated)
+        handed_off = ok = False
         try:
             up = self.client.build_request("POST", w.url + path, headers=headers,
                                            content=json.dumps(body).encode())
@@ -116,14 +167,17 @@ class Router:
                 self.client.send(up, stream=True)))
             if resp is None:
                 return Response(status_code=499)
-            w.routed += 1
-            w.predicted_hit_tokens += choice.predicted_hit_tokens
+            self.counted(choice)
+            ok = resp.status_code == 200
             headers = passed_headers(resp, {"x-deepinfer-worker": w.url})
-            if prompt.parsed.stream and resp.status_code == 200:
-                sniffer = UsageSniffer()
+            if prompt.parsed.stream and ok:
+                # a chat stream opens with a role chunk per sample, a messages stream with
+                # message_start: the first token is in the event after those
+                before = prompt.parsed.params.n if prompt.parsed.kind == "chat" else 0
+                sniffer = StreamSniffer(before + 1, lambda: w.first_token(routed))
 
                 def on_end() -> None:
-                    w.end(pages)
+                    w.end(routed)
                     w.reported_hit_tokens += sniffer.cached_tokens or 0
 
                 handed_off = True
@@ -132,12 +186,14 @@ class Router:
             await resp.aclose()
             if data is None:
                 return Response(status_code=499)
-            if resp.status_code == 200:
+            if ok:
                 w.reported_hit_tokens += cached_tokens(json.loads(data).get("usage")) or 0
             return whole(resp, data, headers)
         finally:
             if not handed_off:
-                w.end(pages)
+                w.end(routed)
+                if not ok:
+                    self.unroute(choice, prompt)
 
     # ------------------------------------------------------------------ other endpoints
     async def models(self, request: Request) -> Response:
@@ -156,14 +212,16 @@ class Router:
         return {"policy": self.policy.name, "workers": [
             {"url": w.url, "role": w.role, "healthy": w.healthy, "synced": w.synced, "seq": w.seq,
              "routed": w.routed, "in_flight": w.in_flight, "active_pages": w.active_pages,
+             "prefill_pages": w.prefill_pages, "decoding": w.decoding,
              "index_pages": self.index.num_pages(w.url),
+             "pending_pages": self.index.num_pending(w.url),
              "predicted_hit_tokens": w.predicted_hit_tokens,
+             "pending_hit_tokens": w.pending_hit_tokens,
              "reported_hit_tokens": w.reported_hit_tokens, "event_resets": w.event_resets}
             for w in self.pool.workers]}
 
     def metrics(self) -> str:
-        return render(self.pool.workers, {w.url: self.index.num_pages(w.url)
-                                          for w in self.pool.workers}, self.retries)
+        return render(self.pool.workers, self.index, self.retries)
 
     # ------------------------------------------------------------------ app
     def build_app(self) -> FastAPI:
@@ -204,6 +262,13 @@ class Router:
         @app.post("/v1/completions")
         async def completions(request: Request) -> Response:
             return await self.completion(request, "completion", "/v1/completions")
+
+        @app.post("/v1/messages")
+        async def messages(request: Request) -> Response:
+            try:
+                return await self.completion(request, "messages", "/v1/messages")
+            except APIError as e:  # Anthropic's error shape on Anthropic's endpoint
+                return error_response(e)
 
         @app.get("/v1/models")
         async def models(request: Request) -> Response:

@@ -6,6 +6,7 @@ Kept free of FastAPI/uvicorn imports so the CLI can build its parser cheaply.
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass, field
 
 POLICIES = ("kv", "round_robin", "least_load")
@@ -17,9 +18,12 @@ class RouterConfig:
     prefill_workers: list[str] = field(default_factory=list)  # PD: prompts computed here...
     decode_workers: list[str] = field(default_factory=list)  # ...then generated here
     policy: str = "kv"
-    # Cost of a worker for a request (Dynamo's KV router): overlap_weight x the prompt pages it
-    # would have to prefill + the pages of the requests it is running.
+    # Cost of a worker for a request (``policy.py``): overlap_weight x the prompt pages it would
+    # prefill + the pages its open requests still prefill + decode_weight x those decoding.
     overlap_weight: float = 1.0
+    decode_weight: float = 1.0
+    pending_ttl_s: float = 30.0  # how long a routed request's pages count before an event
+    worker_api_key: str | None = None  # sent on the router's own calls (KV events, snapshots)
     model: str | None = None  # the workers' model (tokenizer + chat template); None: default
     chat_template: str | None = None  # the workers' --chat-template, if they use one
     host: str = "127.0.0.1"
@@ -45,8 +49,10 @@ class RouterConfig:
         every = self.all_workers
         if len(set(every)) != len(every):
             raise ValueError("a worker URL is given twice")
-        if self.overlap_weight < 0:
-            raise ValueError("overlap_weight must be >= 0")
+        for name, v in (("overlap_weight", self.overlap_weight),
+                        ("decode_weight", self.decode_weight), ("pending_ttl_s", self.pending_ttl_s)):
+            if v < 0:
+                raise ValueError(f"{name} must be >= 0")
         if not (0 <= self.port < 65536):
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
 
@@ -70,7 +76,17 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", default=d.policy, choices=POLICIES,
                    help="kv: least prefill + load cost from the workers' KV events (default)")
     p.add_argument("--overlap-weight", type=float, default=d.overlap_weight,
-                   help="kv cost = weight x pages to prefill + pages of running requests")
+                   help="kv cost = this x pages to prefill + the pages the worker's open "
+                        "requests still prefill + --decode-weight x those decoding")
+    p.add_argument("--decode-weight", type=float, default=d.decode_weight,
+                   help="pages-worth of work the kv cost counts per request decoding")
+    p.add_argument("--pending-ttl", type=float, default=d.pending_ttl_s,
+                   help="seconds a routed request's pages count as on its worker before the "
+                        "worker's KV events confirm them")
+    p.add_argument("--worker-api-key", default=os.environ.get("DEEPINFER_API_KEY"),
+                   help="the workers' --api-key, sent on KV event polls and snapshots "
+                        "(default: $DEEPINFER_API_KEY, the variable `deepinfer serve` reads); "
+                        "clients' own keys are passed through on their requests")
     p.add_argument("--model", default=None,
                    help="the workers' model path (its tokenizer and chat template hash prompts "
                         "as the workers do; default: the built-in model)")
@@ -88,7 +104,9 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
 
     return RouterConfig(workers=args.worker, prefill_workers=args.prefill_worker,
                         decode_workers=args.decode_worker, policy=args.policy,
-                        overlap_weight=args.overlap_weight, model=args.model,
+                        overlap_weight=args.overlap_weight, decode_weight=args.decode_weight,
+                        pending_ttl_s=args.pending_ttl,
+                        worker_api_key=args.worker_api_key or None, model=args.model,
                         chat_template=read_chat_template(args.chat_template), host=args.host,
                         port=args.port, health_interval_s=args.health_interval,
                         log_level=args.log_level)

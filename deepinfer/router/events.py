@@ -4,6 +4,7 @@ Per worker, one task: take ``/kv/snapshot`` (the pages it holds and the sequence
 is current to), then long-poll ``/kv/events?since=N`` and apply what comes. A ``reset``
 answer (the router fell behind the worker's buffer, or the worker restarted) or a failed poll
 means the index no longer knows that worker: it is dropped and rebuilt from a new snapshot.
+Both calls carry the router's ``--worker-api-key`` for workers that require one.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ log = logging.getLogger("deepinfer.router")
 
 
 async def sync(client: httpx.AsyncClient, pool: WorkerPool, w: Worker) -> None:
-    r = await client.get(w.url + "/kv/snapshot")
+    r = await client.get(w.url + "/kv/snapshot", headers=pool.auth)
     r.raise_for_status()
     snap = r.json()
     pool.index.reset(w.url, snap["pages"])
@@ -29,7 +30,7 @@ async def sync(client: httpx.AsyncClient, pool: WorkerPool, w: Worker) -> None:
 
 async def poll(client: httpx.AsyncClient, pool: WorkerPool, w: Worker, wait_s: float) -> None:
     r = await client.get(w.url + "/kv/events", params={"since": w.seq, "wait": wait_s},
-                         timeout=wait_s + 10)
+                         headers=pool.auth, timeout=wait_s + 10)
     r.raise_for_status()
     body = r.json()
     if not w.synced:  # the worker left rotation during the poll: its index was dropped

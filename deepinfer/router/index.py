@@ -3,11 +3,19 @@
 Fed by the workers' KV events (``server/kv_events.py``). Chained page hashes cover every
 token before them, so a worker holds a prompt's first k pages exactly when it holds the
 hashes of pages 1..k; the index is a plain set of (hash -> tiers) per worker, no tree.
+
+Events arrive after the fact (a worker reports pages once it has stored them), so the router
+also records the pages of each request it sends as *pending* on that worker (sglang's
+cache_aware inserts on route the same way): the next turn of that conversation, or a
+concurrent request sharing its prefix, counts them before any event says so. A pending page
+lasts until an event about it (stored: now held; removed: evicted), the worker's index is
+reset or dropped, the request fails, or ``pending_ttl_s`` passes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from ..kv.radix import TIER_NAMES
@@ -17,15 +25,21 @@ _TIER = {name: i for i, name in enumerate(TIER_NAMES)}
 
 @dataclass
 class Overlap:
-    """A worker's leading cached pages of one prompt, per tier (where the first copy is)."""
+    """A worker's leading cached pages of one prompt, per tier (where the first copy is), and
+    how many of them are only pending (routed there, not confirmed by an event yet)."""
 
     pages: int = 0
     by_tier: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIER_NAMES, 0))
+    pending: int = 0
 
 
 class PrefixIndex:
-    def __init__(self) -> None:
+    def __init__(self, pending_ttl_s: float = 30.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._held: dict[str, dict[bytes, int]] = {}  # worker -> page hash -> tier bitmask
+        self._pending: dict[str, dict[bytes, float]] = {}  # worker -> page hash -> expiry
+        self.pending_ttl_s = pending_ttl_s
+        self._clock = clock
 
     def reset(self, worker: str, pages: dict[str, Sequence[str]]) -> None:
         """Replace what ``worker`` holds (a ``/kv/snapshot``: tier name -> hex hashes)."""
@@ -36,39 +50,78 @@ class PrefixIndex:
                 key = bytes.fromhex(h)
                 held[key] = held.get(key, 0) | bit
         self._held[worker] = held
+        self._pending.pop(worker, None)
 
     def drop(self, worker: str) -> None:
         self._held.pop(worker, None)
+        self._pending.pop(worker, None)
 
     def apply(self, worker: str, events: Iterable[dict]) -> None:
         """Apply ``/kv/events`` entries (stored/removed, tier, hex hashes) in order."""
         held = self._held.setdefault(worker, {})
+        pending = self._pending.get(worker, {})
         for e in events:
             bit = 1 << _TIER[e["tier"]]
-            if e["type"] == "stored":
-                for h in e["hashes"]:
-                    key = bytes.fromhex(h)
+            stored = e["type"] == "stored"
+            for h in e["hashes"]:
+                key = bytes.fromhex(h)
+                pending.pop(key, None)  # confirmed, or evicted: the event knows better
+                if stored:
                     held[key] = held.get(key, 0) | bit
-            else:
-                for h in e["hashes"]:
-                    key = bytes.fromhex(h)
-                    left = held.get(key, 0) & ~bit
-                    if left:
-                        held[key] = left
-                    else:
-                        held.pop(key, None)
+                    continue
+                left = held.get(key, 0) & ~bit
+                if left:
+                    held[key] = left
+                else:
+                    held.pop(key, None)
+
+    def add_pending(self, worker: str, hashes: Sequence[bytes]) -> None:
+        """``hashes`` (a request routed to ``worker``) are expected there soon."""
+        held = self._held.get(worker, {})
+        pending = self._pending.setdefault(worker, {})
+        now = self._clock()
+        _prune(pending, now)
+        for h in hashes:
+            if h not in held:
+                pending.pop(h, None)  # to the end: the dict stays in expiry order
+                pending[h] = now + self.pending_ttl_s
+
+    def forget_pending(self, worker: str, hashes: Sequence[bytes]) -> None:
+        """The request that added ``hashes`` failed: they are not coming."""
+        pending = self._pending.get(worker, {})
+        for h in hashes:
+            pending.pop(h, None)
 
     def overlap(self, worker: str, hashes: Sequence[bytes]) -> Overlap:
-        """How many leading pages of ``hashes`` the worker holds (any tier)."""
+        """How many leading pages of ``hashes`` the worker holds (any tier) or has pending."""
         held = self._held.get(worker, {})
+        pending = self._pending.get(worker, {})
+        now = self._clock()
         out = Overlap()
         for h in hashes:
             bits = held.get(h, 0)
-            if not bits:
+            if bits:
+                out.by_tier[TIER_NAMES[(bits & -bits).bit_length() - 1]] += 1
+            elif pending.get(h, 0.0) > now:
+                out.pending += 1
+            else:
                 break
             out.pages += 1
-            out.by_tier[TIER_NAMES[(bits & -bits).bit_length() - 1]] += 1
         return out
 
     def num_pages(self, worker: str) -> int:
         return len(self._held.get(worker, {}))
+
+    def num_pending(self, worker: str) -> int:
+        pending = self._pending.get(worker, {})
+        _prune(pending, self._clock())
+        return len(pending)
+
+
+def _prune(pending: dict[bytes, float], now: float) -> None:
+    """Drop the expired entries: the oldest first (insertion order is expiry order)."""
+    while pending:
+        h = next(iter(pending))
+        if pending[h] > now:
+            return
+        del pending[h]

@@ -1,8 +1,10 @@
 """``GET /metrics`` of the router (Prometheus text): per worker, what was routed there, the
-hit tokens the index predicted vs those the worker reported, its load and index state."""
+hit tokens the index predicted (and the part of them that was only pending: routed there,
+no KV event yet) vs those the worker reported, its load and index state."""
 
 from __future__ import annotations
 
+from .index import PrefixIndex
 from .workers import Worker
 
 _PER_WORKER = (
@@ -10,6 +12,9 @@ _PER_WORKER = (
     ("predicted_hit_tokens_total", "counter",
      "prompt tokens the prefix index predicted the worker had cached",
      lambda w: w.predicted_hit_tokens),
+    ("pending_hit_tokens_total", "counter",
+     "the part of the predicted hit tokens that was pending (routed there, no KV event yet)",
+     lambda w: w.pending_hit_tokens),
     ("reported_hit_tokens_total", "counter",
      "prompt tokens the worker's responses reported cached (usage cached_tokens)",
      lambda w: w.reported_hit_tokens),
@@ -19,20 +24,27 @@ _PER_WORKER = (
      lambda w: w.event_resets),
     ("healthy", "gauge", "1 while the worker is in rotation", lambda w: int(w.healthy)),
     ("in_flight_requests", "gauge", "requests open on the worker", lambda w: w.in_flight),
-    ("active_pages", "gauge", "pages of the requests open on the worker (its load)",
+    ("active_pages", "gauge", "pages (prompt + max_tokens) of the requests open on the worker",
      lambda w: w.active_pages),
-    ("index_pages", "gauge", "pages the prefix index says the worker holds", None),
+    ("prefill_pages", "gauge", "pages the requests open on the worker still prefill (predicted)",
+     lambda w: w.prefill_pages),
+    ("decoding_requests", "gauge", "requests open on the worker past their first token",
+     lambda w: w.decoding),
 )
+_INDEX = (("index_pages", "pages the prefix index says the worker holds", PrefixIndex.num_pages),
+          ("pending_pages", "pages routed to the worker that no KV event confirmed yet",
+           PrefixIndex.num_pending))
 
 
-def render(workers: list[Worker], index_pages: dict[str, int], retries: int) -> str:
+def render(workers: list[Worker], index: PrefixIndex, retries: int) -> str:
+    rows = list(_PER_WORKER) + [
+        (name, "gauge", help_, lambda w, count=count: count(index, w.url))
+        for name, help_, count in _INDEX]
     out = []
-    for name, kind, help_, value in _PER_WORKER:
+    for name, kind, help_, value in rows:
         full = f"deepinfer_router_{name}"
         out += [f"# HELP {full} {help_}", f"# TYPE {full} {kind}"]
-        for w in workers:
-            v = index_pages[w.url] if value is None else value(w)
-            out.append(f'{full}{{worker="{w.url}",role="{w.role}"}} {v}')
+        out += [f'{full}{{worker="{w.url}",role="{w.role}"}} {value(w)}' for w in workers]
     out += ["# HELP deepinfer_router_retries_total requests sent again to another worker "
             "after a connect error", "# TYPE deepinfer_router_retries_total counter",
             f"deepinfer_router_retries_total {retries}"]

@@ -17,37 +17,24 @@ import httpx
 from fastapi import Request
 from fastapi.responses import Response
 
-from .policy import Choice
-from .prompts import RoutedPrompt
 from .proxy import passed_headers, unless_disconnected, whole
 
 PREFILL_HEADER = "x-deepinfer-prefill"
 
 
-async def prefill(client: httpx.AsyncClient, request: Request, choice: Choice, kind: str,
-                  body: dict, prompt: RoutedPrompt, headers: dict[str, str]
-                  ) -> dict | Response | None:
-    """The prefill worker's counts; its answer itself if it is not a 200; None if the client
-    left. Connect errors propagate (the caller tries the next prefill worker)."""
-    w = choice.worker
-    pages = prompt.pages(w.page_size)
-    w.begin(pages)
-    try:
-        work = asyncio.ensure_future(client.post(
-            w.url + "/internal/prefill", headers=headers,
-            content=json.dumps({"endpoint": kind, "request": body}).encode()))
-        resp = await unless_disconnected(request, work)
-    finally:
-        w.end(pages)
-    if resp is None:
-        return None
-    w.routed += 1
-    w.predicted_hit_tokens += choice.predicted_hit_tokens
-    if resp.status_code != 200:
-        return whole(resp, resp.content, passed_headers(resp, {"x-deepinfer-worker": w.url}))
-    counts = resp.json()
-    w.reported_hit_tokens += int(counts.get("cached_tokens") or 0)
-    return counts
+async def prefill(client: httpx.AsyncClient, request: Request, url: str, kind: str,
+                  body: dict, headers: dict[str, str]) -> httpx.Response | None:
+    """The prefill worker's answer to ``POST /internal/prefill``; None if the client left.
+    Connect errors propagate (the caller tries the next prefill worker)."""
+    work = asyncio.ensure_future(client.post(
+        url + "/internal/prefill", headers=headers,
+        content=json.dumps({"endpoint": kind, "request": body}).encode()))
+    return await unless_disconnected(request, work)
+
+
+def failed(resp: httpx.Response, url: str) -> Response:
+    """A prefill worker's answer that is not a 200, passed back to the client."""
+    return whole(resp, resp.content, passed_headers(resp, {"x-deepinfer-worker": url}))
 
 
 def decode_headers(counts: dict, headers: dict[str, str], prefill_url: str) -> dict[str, str]:

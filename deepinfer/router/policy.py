@@ -1,9 +1,13 @@
-"""Which worker gets a request: ``kv`` (least prefill + load cost), ``round_robin``,
+"""Which worker gets a request: ``kv`` (least work before its first token), ``round_robin``,
 ``least_load``.
 
-``kv`` is Dynamo's KV router cost: overlap_weight x (prompt pages the worker would have to
-prefill, from the prefix index) + its active pages (of the requests the router has open on
-it). Ties go to the less loaded worker, then in turn, so equal cold requests spread out.
+``kv`` weighs, per worker, the pages the request would prefill there (its prompt minus the
+leading pages the prefix index says the worker holds or has pending) against the work the
+router already has open on it: the pages its requests still prefill, and a share per request
+that is decoding (each step serves them too). ``overlap_weight`` > 1 counts a page computed
+again as more than the wait it causes (the cluster computes it twice), which keeps requests
+sharing a new prefix together. Ties go to the less loaded worker, then in turn, so equal cold
+requests spread out. ``least_load`` uses the load alone (a PD decode worker too).
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from dataclasses import dataclass
 
 from .index import Overlap, PrefixIndex
 from .prompts import RoutedPrompt
-from .workers import Worker
+from .workers import Load, Worker
 
 
 @dataclass
@@ -26,12 +30,33 @@ class Choice:
     def predicted_hit_tokens(self) -> int:
         return self.overlap.pages * (self.page_size or 0)
 
+    @property
+    def pending_hit_tokens(self) -> int:
+        return self.overlap.pending * (self.page_size or 0)
+
+
+@dataclass(frozen=True)
+class CostWeights:
+    overlap_weight: float = 1.0  # per page the request would prefill on the worker
+    decode_weight: float = 1.0  # pages-worth of work per request decoding there
+
+
+def busy(load: Load, weights: CostWeights) -> float:
+    """The work the router has open on a worker, in pages."""
+    return load.prefill_pages + weights.decode_weight * load.decoding
+
+
+def kv_cost(to_prefill: int, load: Load, weights: CostWeights) -> tuple[float, float]:
+    """(cost, tie-break) of a worker that would prefill ``to_prefill`` pages under ``load``."""
+    return weights.overlap_weight * to_prefill + busy(load, weights), busy(load, weights)
+
 
 class Policy:
-    def __init__(self, name: str, index: PrefixIndex, overlap_weight: float = 1.0) -> None:
+    def __init__(self, name: str, index: PrefixIndex, weights: CostWeights = CostWeights()
+                 ) -> None:
         self.name = name
         self.index = index
-        self.overlap_weight = overlap_weight
+        self.weights = weights
         self._turn = itertools.count()
 
     def overlap(self, w: Worker, prompt: RoutedPrompt) -> Overlap:
@@ -49,11 +74,8 @@ class Policy:
         if self.name == "round_robin":
             best = order[0]
         elif self.name == "least_load" or not use_cache:
-            best = min(order, key=lambda w: w.active_pages)
+            best = min(order, key=lambda w: (busy(w.load, self.weights), w.active_pages))
         else:
-            def cost(w: Worker) -> tuple[float, int]:
-                ps = w.page_size or 1
-                prefill = -(-prompt.num_tokens // ps) - overlaps[w.url].pages
-                return self.overlap_weight * prefill + w.active_pages, w.active_pages
-            best = min(order, key=cost)
+            best = min(order, key=lambda w: kv_cost(
+                prompt.prompt_pages(w.page_size) - overlaps[w.url].pages, w.load, self.weights))
         return Choice(best, overlaps[best.url], best.page_size)

@@ -44,6 +44,11 @@ class RoutedPrompt:
             self._hashes[key] = chain_hashes(self.token_ids[:n], page_size, root)
         return self._hashes[key]
 
+    def prompt_pages(self, page_size: int | None) -> int:
+        """Pages of the prompt alone (``None``: deepinfer's default page size)."""
+        ps = page_size or DEFAULT_PAGE_SIZE
+        return -(-self.num_tokens // ps)
+
     def pages(self, page_size: int | None) -> int:
         """Pages the request occupies on a worker at most: prompt + max_tokens (``None``: the
         worker's page size is not known yet; deepinfer's default is assumed)."""

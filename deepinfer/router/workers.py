@@ -19,14 +19,35 @@ log = logging.getLogger("deepinfer.router")
 
 
 @dataclass
+class Routed:
+    """One request the router has open on a worker, and the load it adds there."""
+
+    pages: int  # prompt + max_tokens: the pages it may take
+    prefill_pages: int  # prompt pages the index predicted it computes; 0 once it decodes
+    decoding: bool = False  # its first token came back
+
+
+@dataclass(frozen=True)
+class Load:
+    """What the router has open on a worker (the policy's input)."""
+
+    prefill_pages: int = 0  # pages its open requests still have to prefill (predicted)
+    decoding: int = 0  # its open requests past their first token
+    active_pages: int = 0  # pages (prompt + max_tokens) of all its open requests
+
+
+@dataclass
 class Worker:
     url: str
     role: str  # "both" | "prefill" | "decode"
     healthy: bool = False
     in_flight: int = 0  # requests the router has open on it
-    active_pages: int = 0  # pages (prompt + max_tokens) of those requests: its load
+    active_pages: int = 0  # pages (prompt + max_tokens) of those requests
+    prefill_pages: int = 0  # predicted pages those requests have still to prefill
+    decoding: int = 0  # those requests past their first token
     routed: int = 0
     predicted_hit_tokens: int = 0  # what the index said it held of the prompts routed to it
+    pending_hit_tokens: int = 0  # the part of those that was pending (routed, no event yet)
     reported_hit_tokens: int = 0  # what its responses said they hit (usage cached_tokens)
     connect_failures: int = 0
     # The KV event subscription (``events.py``):
@@ -36,18 +57,34 @@ class Worker:
     model_identity: str | None = None  # from its snapshot: the root of its page hashes
     page_size: int | None = None
 
-    def begin(self, pages: int) -> None:
-        self.in_flight += 1
-        self.active_pages += pages
+    @property
+    def load(self) -> Load:
+        return Load(self.prefill_pages, self.decoding, self.active_pages)
 
-    def end(self, pages: int) -> None:
+    def begin(self, r: Routed) -> None:
+        self.in_flight += 1
+        self.active_pages += r.pages
+        self.prefill_pages += r.prefill_pages
+
+    def first_token(self, r: Routed) -> None:
+        if not r.decoding:
+            self.prefill_pages -= r.prefill_pages
+            self.decoding += 1
+            r.prefill_pages, r.decoding = 0, True
+
+    def end(self, r: Routed) -> None:
         self.in_flight -= 1
-        self.active_pages -= pages
+        self.active_pages -= r.pages
+        self.prefill_pages -= r.prefill_pages
+        self.decoding -= r.decoding
 
 
 class WorkerPool:
-    def __init__(self, workers: list[Worker], index: PrefixIndex, interval_s: float) -> None:
+    def __init__(self, workers: list[Worker], index: PrefixIndex, interval_s: float,
+                 api_key: str | None = None) -> None:
         self.workers = workers
+        # headers of the router's own calls (KV events, snapshots); /health needs no key
+        self.auth = {"authorization": f"Bearer {api_key}"} if api_key else {}
         self.by_url = {w.url: w for w in workers}
         self.index = index
         self.interval_s = interval_s

@@ -12,14 +12,16 @@ def state(router_url: str) -> dict[str, dict]:
     return {w["url"]: w for w in httpx.get(router_url + "/router/workers").json()["workers"]}
 
 
-def settle(router_url: str, worker_urls: list[str], timeout: float = 20.0) -> None:
-    """Wait until the router's index has applied every KV event the workers have emitted."""
+def settle(router_url: str, worker_urls: list[str], timeout: float = 20.0,
+           headers: dict[str, str] | None = None) -> None:
+    """Wait until the router's index has applied every KV event the workers have emitted
+    (``headers``: for workers that require an API key)."""
     t0 = time.monotonic()
     while True:
         st = state(router_url)
         behind = [u for u in worker_urls
                   if not st[u]["synced"] or
-                  st[u]["seq"] < httpx.get(u + "/kv/snapshot").json()["seq"]]
+                  st[u]["seq"] < httpx.get(u + "/kv/snapshot", headers=headers).json()["seq"]]
         if not behind:
             return
         assert time.monotonic() - t0 < timeout, f"index of {behind} did not catch up: {st}"

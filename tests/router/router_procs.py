@@ -84,7 +84,8 @@ class RouterThread:
 
         cfg = RouterConfig(workers=workers, policy=policy, model=str(model), port=0,
                            health_interval_s=0.2, log_level="warning", **config)
-        app = Router(cfg, load_checkpoint(model, progress=False).tokenizer).build_app()
+        self.router = Router(cfg, load_checkpoint(model, progress=False).tokenizer)
+        app = self.router.build_app()
         self._sock = socket.socket()
         self._sock.bind(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"

@@ -94,10 +94,8 @@ def _prompt(tokens: list[int]) -> RoutedPrompt:
     return RoutedPrompt(parse_request({"prompt": tokens, "max_tokens": 4}, "completion"), tokens)
 
 
-def _worker(url: str, active: int = 0) -> Worker:
-    w = Worker(url, "both", healthy=True, synced=True, model_identity="model-x", page_size=PS)
-    w.active_pages = active
-    return w
+def _worker(url: str) -> Worker:
+    return Worker(url, "both", healthy=True, synced=True, model_identity="model-x", page_size=PS)
 
 
 def test_kv_cost_weighs_prefill_against_load():
@@ -110,13 +108,13 @@ def test_kv_cost_weighs_prefill_against_load():
     p = _prompt(tokens)
     c = kv.pick([a, b], p)
     assert c.worker is a and c.predicted_hit_tokens == 16 * PS
-    a.active_pages = 15  # 21 - 16 + 15 = 20 < 21: still a
+    a.prefill_pages = 15  # 21 - 16 + 15 = 20 < 21: still a
     assert kv.pick([a, b], p).worker is a
-    a.active_pages = 17  # 22 > 21: b, which computes it all but is idle
+    a.prefill_pages = 17  # 22 > 21: b, which computes it all but is idle
     assert kv.pick([a, b], p).worker is b
     assert Policy("least_load", idx).pick([a, b], p).worker is b
     rr = Policy("round_robin", idx)
     assert [rr.pick([a, b], p).worker.url for _ in range(4)] == ["a", "b", "a", "b"]
     cold = _prompt([7] * 9)  # no overlap anywhere, equal load: in turn
-    a.active_pages = 0
+    a.prefill_pages = 0
     assert {kv.pick([a, b], cold).worker.url for _ in range(2)} == {"a", "b"}
