@@ -1,9 +1,10 @@
 """The router's FastAPI app: OpenAI-compatible front over a set of ``deepinfer serve`` workers.
 
-``POST /v1/chat/completions`` and ``/v1/completions`` are read with the server's own parser
-(a bad request is answered 400 here), hashed (``prompts.py``), given a worker by the policy
-(``policy.py``) and forwarded; the answer comes back unchanged (``proxy.py``) with an
-``x-deepinfer-worker`` header naming the worker. A worker that refuses the connection leaves
+``POST /v1/chat/completions``, ``/v1/completions`` and Anthropic's ``/v1/messages`` are read
+with the server's own parsers (a bad request is answered 400 here), hashed (``prompts.py``),
+given a worker by the policy (``policy.py``), left pending on it in the index, and forwarded;
+the answer comes back unchanged (``proxy.py``) with an ``x-deepinfer-worker`` header naming
+the worker. A worker that refuses the connection leaves
 rotation and the request goes to the next best one. ``GET /v1/models`` is a healthy worker's;
 ``GET /health`` is 200 while some worker is in rotation; ``GET /metrics`` and
 ``GET /router/workers`` show the routing. With ``--prefill-worker``/``--decode-worker`` each

@@ -1,9 +1,9 @@
 """Prefill/decode routing: a prefill worker computes the prompt, a decode worker generates.
 
 Per request: a prefill worker chosen by the kv cost (its prefix index, its load) gets
-``POST /internal/prefill`` with ``{"endpoint": "chat"|"completion", "request": BODY}``; it
-computes the prompt, makes its full pages durable in the shared store and answers with its
-counts. A decode worker chosen by load alone (its hits come from the store, whoever computed
+``POST /internal/prefill`` with ``{"endpoint": "chat"|"completion"|"messages", "request":
+BODY}``; it computes the prompt, makes its full pages durable in the shared store and answers
+with its counts. A decode worker chosen by load alone (its hits come from the store, whoever computed
 them) then gets the original request, with those counts in the ``x-deepinfer-prefill`` header
 (the decode side reports them in its usage). See ``server/pd.py`` for the workers' side.
 """
