@@ -9,6 +9,7 @@ multi-turn chat and agent loop, driven by its client (streamed requests; TTFT me
 client, cached tokens from each response's usage).
 
     python benchmarks/router.py [--quick] [--pages 80] [--out results/router]
+        [--configs kv,round_robin] [--workloads chat] [--kv-args "--overlap-weight 2"]
 
 Writes ``summary.json`` and ``summary.md`` under ``--out``; prints the CPU model with them.
 """
