@@ -54,6 +54,7 @@ class Request:
     num_cached_tokens: int | None = None
     cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)
     store_cached_tokens: int = 0  # of the disk tier's, those a networked store (--kv-store) served
+    prefill_worker_cached_tokens: int = 0  # of the disk tier's, those a prefill worker sent (pd.py)
     num_recomputed_tokens: int = 0  # tokens recomputed after preemption
     num_replayed_tokens: int = 0  # prompt tokens of the prefix hit recomputed for sliding-window layers
     ring: RingState | None = None  # sliding-window ring (kv/window/)

@@ -23,6 +23,7 @@ instead of computing the same KV a second time; a request sharing nothing never 
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 from ..request import Request
@@ -30,6 +31,7 @@ from .hashing import chain_hashes, root_hash
 from .pool import PageAllocator
 from .radix import DEVICE, DISK, HOST, NUM_TIERS, TIER_NAMES, Node, RadixTree
 from .tiers.backend import LoadJob, LoadStats, TierBackend
+from .tiers.page_store import LOCAL, PREFILL_WORKER, STORE
 from .tiers.policy import TierManager, TierPolicy
 
 
@@ -164,15 +166,15 @@ class KVCacheManager:
         self.tree.unlock(job.locked)
         self._jobs.discard(job)
 
-    def _apply_load(self, req: Request) -> tuple[list[int], int]:
+    def _apply_load(self, req: Request) -> tuple[list[int], Counter[str]]:
         """Adopt a finished load's pages (already in L1) into the tree; returns pages adopted
-        per source tier, and how many of them a networked store served."""
+        per source tier, and per origin (``tiers/page_store.py``)."""
         assert self.tiers is not None and self.tree is not None
         job = req.kv_load
         assert job is not None and job.done
         req.kv_load = None
         adopted = [0] * NUM_TIERS
-        shared = 0
+        origins: Counter[str] = Counter()
         n = job.num_loaded
         if n:
             pages, job.dest = job.dest[:n], job.dest[n:]  # the rest is freed with the job
@@ -185,7 +187,7 @@ class KVCacheManager:
             for i, p in enumerate(pages):
                 if kept[job.start + i] == p:
                     adopted[job.page_tiers[i]] += 1
-                    shared += i < len(job.page_shared) and job.page_shared[i]
+                    origins[job.page_origins[i] if i < len(job.page_origins) else LOCAL] += 1
                 else:  # someone brought this page back meanwhile: keep theirs
                     self.allocator.free([p])
             if job.probe:
@@ -203,7 +205,7 @@ class KVCacheManager:
             s.load_failures += 1
             if job.failed_at < len(job.sources) and job.sources[job.failed_at][0] == DISK:
                 self.tiers.forget_disk(job.source_nodes[job.failed_at])
-        return adopted, shared
+        return adopted, origins
 
     # ------------------------------------------------------------------ shared prefixes in flight
     def joins_computing(self, req: Request) -> bool:
@@ -250,7 +252,7 @@ class KVCacheManager:
         if first:
             self.stats.query_tokens += req.num_prompt_tokens
         matched = 0
-        adopted, shared = [0] * NUM_TIERS, 0
+        adopted, origins = [0] * NUM_TIERS, Counter[str]()
         if self.tree is not None:
             if self.tiers is not None:
                 if req.kv_load is None and not req.kv_prefetched:
@@ -258,7 +260,7 @@ class KVCacheManager:
                 if req.kv_load is not None:
                     while not req.kv_load.done:
                         self.tiers.backend.wait(0.05)
-                    adopted, shared = self._apply_load(req)
+                    adopted, origins = self._apply_load(req)
             hashes = self._lookup_hashes(req)
             m = self.tree.match(hashes, count_hit=not req.kv_hit_counted)
             req.kv_hit_counted = True
@@ -286,7 +288,8 @@ class KVCacheManager:
                 by_tier = {TIER_NAMES[DEVICE]: req.num_cached_tokens - host - disk,
                            TIER_NAMES[HOST]: host, TIER_NAMES[DISK]: disk}
             req.cached_tokens_by_tier = by_tier
-            req.store_cached_tokens = shared * self.page_size  # (part of the disk tier's)
+            req.store_cached_tokens = origins[STORE] * self.page_size  # (part of the disk tier's)
+            req.prefill_worker_cached_tokens = origins[PREFILL_WORKER] * self.page_size
             self.stats.hit_tokens += req.num_cached_tokens
             for t, v in by_tier.items():
                 self.stats.hit_tokens_by_tier[t] += v

@@ -43,6 +43,27 @@ class PublishResult:
         return asdict(self)
 
 
+def plan_pages(kv: KVCacheManager, tiers: TierIO, token_ids: Sequence[int], salt: str | None
+               ) -> PagePlan:
+    """The full pages of ``token_ids`` (under ``salt``): hashes, L3 keys, page ids."""
+    ps = kv.page_size
+    hashes = chain_hashes(token_ids, ps, kv.root(salt))
+    ids = [page_id(h, token_ids[i * ps : (i + 1) * ps]) for i, h in enumerate(hashes)]
+    return PagePlan(hashes, [str(tiers.disk_key(h)) for h in hashes], ids)
+
+
+def l1_pages(kv: KVCacheManager, plan: PagePlan) -> list[int]:
+    """The L1 pages of the plan's leading pages still in the device pool (engine thread)."""
+    assert kv.tree is not None
+    m = kv.tree.match(plan.hashes, touch=False, count_hit=False)
+    l1: list[int] = []
+    for node in m.path:
+        if node.tiers[DEVICE] is None:
+            break
+        l1 += node.tiers[DEVICE]
+    return l1[: m.num_pages]
+
+
 class StorePublisher:
     """Plans, checks and completes the publication of prompts' pages (see the module doc).
     ``plan`` and ``capture`` run on the engine thread; the others block on the store and run
@@ -58,10 +79,7 @@ class StorePublisher:
         self.remote = tiers.remote
 
     def plan(self, token_ids: Sequence[int], salt: str | None) -> PagePlan:
-        ps = self.kv.page_size
-        hashes = chain_hashes(token_ids, ps, self.kv.root(salt))
-        ids = [page_id(h, token_ids[i * ps : (i + 1) * ps]) for i, h in enumerate(hashes)]
-        return PagePlan(hashes, [str(self.tiers.disk_key(h)) for h in hashes], ids)
+        return plan_pages(self.kv, self.tiers, token_ids, salt)
 
     def in_store(self, keys: list[str]) -> list[bool]:
         return self.remote.contains_many(keys)
@@ -72,15 +90,9 @@ class StorePublisher:
     def capture(self, plan: PagePlan, missing: list[int]) -> Callable[[], list[bool]] | None:
         """A call that writes the pages of ``missing`` (indices into ``plan``) still in L1 to
         the store and returns its acks (None if none is in L1)."""
-        assert self.kv.tree is not None
-        m = self.kv.tree.match(plan.hashes, touch=False, count_hit=False)
-        l1: list[int] = []
-        for node in m.path:
-            if node.tiers[DEVICE] is None:
-                break
-            l1 += node.tiers[DEVICE]
-        have = [i for i in missing if i < min(len(l1), m.num_pages)]
+        l1 = l1_pages(self.kv, plan)
+        have = [i for i in missing if i < len(l1)]
         if not have:
             return None
         return self.tiers.publish([l1[i] for i in have], [plan.keys[i] for i in have],
-                                        [plan.ids[i] for i in have])
+                                  [plan.ids[i] for i in have])

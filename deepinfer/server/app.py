@@ -41,7 +41,8 @@ from .config import ServerConfig, generation_defaults
 from .kv_events import add_kv_event_routes, attach_event_log
 from .metrics import render
 from .outputs import Admitted, Delta, Submission, merge_deltas
-from .pd import PrefillWorker, check_role, prefill_counts
+from .pd import PrefillWorker, check_role
+from .pd_decode import DecodeWorker
 from .protocol import APIError, ParsedRequest, get_str, parse_request
 from .tokenize import detokenize, tokenize
 from .tools import StreamPiece, ToolOutput
@@ -112,6 +113,7 @@ class Server:
         self.created = int(time.time())
         check_role(self.config, engine.config)
         self.prefill_worker = PrefillWorker(self) if self.config.role == "prefill" else None
+        self.decode_worker = DecodeWorker(self.async_engine, self.config)  # idle unless --role decode
 
     # ------------------------------------------------------------------ helpers
     def check_model(self, model: str | None) -> None:
@@ -133,7 +135,7 @@ class Server:
                                self.defaults)
         self.check_model(parsed.model)
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
-        sub = Submission(rid, parsed, prefill=prefill_counts(request))
+        sub = Submission(rid, parsed, prefill=await self.decode_worker.receive(request))
         adm, q = await self.async_engine.submit(sub)
         headers = self._headers(rid, adm)
         watcher = asyncio.create_task(self.watch_disconnect(request, q, rid))
@@ -289,7 +291,7 @@ class Server:
                 await read_json(request, self.config.max_body_bytes), self.defaults)
             self.check_model(parsed.model)
             rid = f"msg_{uuid.uuid4().hex[:24]}"
-            sub = Submission(rid, parsed, prefill=prefill_counts(request))
+            sub = Submission(rid, parsed, prefill=await self.decode_worker.receive(request))
             adm, q = await self.async_engine.submit(sub)
         except APIError as e:
             return error_response(e)
@@ -346,6 +348,7 @@ class Server:
 
     async def metrics(self) -> Response:
         stats, m = await self.async_engine.call(self.async_engine.snapshot)
+        stats.update((self.prefill_worker or self.decode_worker).stats())
         return Response(render(stats, m, self.model_name),
                         media_type="text/plain; version=0.0.4; charset=utf-8")
 
@@ -364,6 +367,7 @@ class Server:
             yield
             if self.prefill_worker is not None:
                 await self.prefill_worker.close()
+            await self.decode_worker.close()
             # uvicorn has already waited for open connections (up to its graceful timeout)
             await asyncio.to_thread(self.async_engine.shutdown, self.config.shutdown_timeout_s)
 
@@ -428,6 +432,7 @@ class Server:
 
         if self.prefill_worker is not None:
             app.post("/internal/prefill")(self.prefill_worker.internal)
+            app.post("/internal/release")(self.prefill_worker.release)
 
         @app.get("/metrics")
         async def metrics() -> Response:

@@ -18,6 +18,7 @@ log = logging.getLogger("deepinfer.server")
 GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
                        "min_p": "min_p", "max_new_tokens": "max_tokens"}
 ROLES = ("both", "prefill", "decode")
+PD_TRANSFERS = ("store", "direct")  # how a prompt's KV reaches the decode worker (server/pd.py)
 
 
 @dataclass
@@ -51,6 +52,15 @@ class ServerConfig:
     # prompts into the shared store, hands requests to ``decode_workers``), "decode".
     role: str = "both"
     decode_workers: list[str] = field(default_factory=list)  # base URLs, round-robin
+    # How the KV reaches the decode worker: "store" (through --kv-store) or "direct" (read from
+    # the prefill worker's memory over the transfer engine: kv/transfer.py; store as fallback).
+    pd_transfer: str = "store"
+    pd_transfer_host: str = "127.0.0.1"  # the address peers reach this worker's transfer engine at
+    pd_transfer_protocol: str = "tcp"  # "tcp" or "rdma"
+    pd_transfer_device: str = ""  # the RDMA NIC (e.g. mlx5_0); empty for tcp
+    pd_transfer_buffer_mb: int = 256  # the registered buffer pages are exported from / read into
+    pd_transfer_ttl_s: float = 30.0  # exported or pulled pages nobody asked for are freed then
+    pd_transfer_timeout_s: float = 10.0  # a pull taking longer falls back to the store
     # KV events (``kv_events.py``, for a router's prefix index): events kept for subscribers;
     # 0 turns the endpoints off.
     kv_events_buffer: int = 4096
@@ -60,6 +70,15 @@ class ServerConfig:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
         if self.decode_workers and self.role != "prefill":
             raise ValueError("--decode-worker is for --role prefill")
+        if self.pd_transfer not in PD_TRANSFERS:
+            raise ValueError(f"pd_transfer must be one of {', '.join(PD_TRANSFERS)}, got "
+                             f"{self.pd_transfer!r}")
+        if self.pd_transfer == "direct" and self.role == "both":
+            raise ValueError("--pd-transfer direct is for --role prefill and --role decode")
+        if self.pd_transfer_buffer_mb < 1 or self.pd_transfer_ttl_s <= 0 \
+                or self.pd_transfer_timeout_s <= 0:
+            raise ValueError("--pd-transfer-buffer-mb, --pd-transfer-ttl and "
+                             "--pd-transfer-timeout must be > 0")
         if self.max_queue < 0:
             raise ValueError("max_queue must be >= 0")
         if self.kv_events_buffer < 0:
@@ -98,6 +117,23 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-worker", action="append", default=[], metavar="URL",
                    help="--role prefill: decode worker to forward requests to after their "
                         "prefill (repeatable: round-robin)")
+    p.add_argument("--pd-transfer", default=d.pd_transfer, choices=PD_TRANSFERS,
+                   help="--role prefill|decode: how the prompt's KV reaches the decode worker: "
+                        "store (through --kv-store, the default) or direct (the decode worker "
+                        "reads it from the prefill worker's memory over the Mooncake transfer "
+                        "engine; the store is the fallback). Both workers need the same value")
+    p.add_argument("--pd-transfer-host", default=d.pd_transfer_host,
+                   help="address other workers reach this one's transfer engine at")
+    p.add_argument("--pd-transfer-protocol", default=d.pd_transfer_protocol,
+                   choices=("tcp", "rdma"), help="transfer engine transport")
+    p.add_argument("--pd-transfer-device", default=d.pd_transfer_device,
+                   help="RDMA NIC for --pd-transfer-protocol rdma (e.g. mlx5_0)")
+    p.add_argument("--pd-transfer-buffer-mb", type=int, default=d.pd_transfer_buffer_mb,
+                   help="registered buffer for exported (prefill) or pulled (decode) pages")
+    p.add_argument("--pd-transfer-ttl", type=float, default=d.pd_transfer_ttl_s,
+                   help="seconds exported or pulled pages are kept if nobody claims them")
+    p.add_argument("--pd-transfer-timeout", type=float, default=d.pd_transfer_timeout_s,
+                   help="seconds a decode worker waits for a pull before taking the store route")
     from .tools.parsers import DSML_PARSER, PARSERS
 
     p.add_argument("--chat-template", default=None,
@@ -155,5 +191,11 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
                         tool_call_parser=args.tool_call_parser,
                         chat_template=read_chat_template(args.chat_template),
                         generation_config=args.generation_config, role=args.role,
-                        decode_workers=args.decode_worker,
+                        decode_workers=args.decode_worker, pd_transfer=args.pd_transfer,
+                        pd_transfer_host=args.pd_transfer_host,
+                        pd_transfer_protocol=args.pd_transfer_protocol,
+                        pd_transfer_device=args.pd_transfer_device,
+                        pd_transfer_buffer_mb=args.pd_transfer_buffer_mb,
+                        pd_transfer_ttl_s=args.pd_transfer_ttl,
+                        pd_transfer_timeout_s=args.pd_transfer_timeout,
                         kv_events_buffer=args.kv_events_buffer)

@@ -20,6 +20,7 @@ class Usage:
     cache_creation_tokens: int = 0  # computed prompt tokens now cached up to a cache_control mark
     prefill_worker: dict[str, int | float] | None = None  # the prompt's prefill elsewhere (pd.py)
     store_cached_tokens: int = 0  # of the disk tier's, those the networked store served
+    prefill_worker_cached_tokens: int = 0  # of the disk tier's, those a prefill worker sent
     speculative: SpecCounters | None = None  # a request that ran with speculative decoding
 
     def to_dict(self) -> dict:
@@ -32,7 +33,9 @@ class Usage:
             "prompt_cache_miss_tokens": self.prompt_tokens - hit,
             "prompt_tokens_details": {"cached_tokens": hit,  # OpenAI
                                       "cached_tokens_by_tier": dict(self.cached_tokens_by_tier),
-                                      "cached_tokens_from_store": self.store_cached_tokens},
+                                      "cached_tokens_from_store": self.store_cached_tokens,
+                                      "cached_tokens_from_prefill_worker":
+                                          self.prefill_worker_cached_tokens},
         }
         if self.prefill_worker is not None:
             out["prefill_worker"] = dict(self.prefill_worker)

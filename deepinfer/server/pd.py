@@ -14,6 +14,14 @@ shared store (``--kv-store``), never through the client.
   come back in its usage as ``prefill_worker``.
 * ``--role both`` (default): co-located, none of this.
 
+``--pd-transfer`` picks how the pages reach the decode worker. ``store`` (default): as above,
+published to the store, loaded from it. ``direct``: the prefill worker does not publish them; it
+keeps them in its transfer engine's buffer (``kv/transfer_export.py``) and hands over their
+descriptor (``transfer`` in the counts; ``TRANSFER_HEADER`` when forwarding), which the decode
+worker reads them with (``pd_transfer.py``) and then releases. Where it cannot export them (no
+transfer engine, buffer full) the prefill worker publishes them as on the store route, and
+counts why (``pd_transfer_fallbacks_by_reason_total``).
+
 The tail partial page of a prompt is never published: the decode worker computes it (and at
 least the prompt's last token, whose logits start its reply).
 """
@@ -27,6 +35,7 @@ import json
 import logging
 import time
 import uuid
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Coroutine
 from typing import Protocol, TypeVar
 
@@ -37,51 +46,30 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ..config import EngineConfig
 from ..engine import LLMEngine
 from ..kv.publish import PagePlan, PublishResult, StorePublisher
+from ..kv.transfer import TransferDescriptor, open_link
+from ..kv.transfer_export import PageExporter
+from ..log_limit import RateLimitedLog
 from .anthropic import parse_messages_request
 from .boundary import read_json
 from .async_engine import AsyncEngine
 from .config import ServerConfig
 from .outputs import Delta, Submission
+from .pd_decode import PREFILL_FIELDS, PREFILL_HEADER, TRANSFER_HEADER
 from .protocol import APIError, ParsedRequest, get_str, parse_request
 
 log = logging.getLogger("deepinfer.server")
 T = TypeVar("T")
 
-PREFILL_HEADER = "x-deepinfer-prefill"
 # the endpoint of each kind of request (``/internal/prefill``'s "endpoint" field)
 PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions",
          "messages": "/v1/messages"}
 # response headers of a decode worker passed back to the client
 PASSED_HEADERS = ("content-type", "x-request-id", "x-deepinfer-prompt-encoding",
                   "x-deepinfer-history-rewritten", "retry-after")
-# the prefill's counts a decode worker accepts in ``PREFILL_HEADER`` (all numbers >= 0)
-PREFILL_FIELDS = ("prompt_tokens", "cached_tokens", "computed_tokens", "pages", "pages_present",
-                  "pages_published", "pages_failed", "prefill_s", "publish_s")
-
-
 def check_role(config: ServerConfig, engine_config: EngineConfig) -> None:
     """The roles' requirements, at start-up (ValueError)."""
     if config.role != "both" and engine_config.kv_store is None:
         raise ValueError(f"--role {config.role} needs the shared store: --kv-store URL")
-
-
-def prefill_counts(request: Request) -> dict[str, int | float] | None:
-    """The prefill worker's counts a request carries (``PREFILL_HEADER``), else None; 400 if
-    malformed."""
-    raw = request.headers.get(PREFILL_HEADER)
-    if raw is None:
-        return None
-    try:
-        v = json.loads(raw)
-    except ValueError:
-        v = None
-    ok = isinstance(v, dict) and all(
-        isinstance(v.get(k), (int, float)) and not isinstance(v.get(k), bool) and v[k] >= 0
-        for k in PREFILL_FIELDS)
-    if not ok:
-        raise APIError(400, f"header {PREFILL_HEADER}: must be a JSON object with numbers >= 0 "
-                            f"for {', '.join(PREFILL_FIELDS)}", param=PREFILL_HEADER)
-    return {k: v[k] for k in PREFILL_FIELDS}
 
 
 class Server(Protocol):
@@ -107,6 +95,17 @@ class PrefillWorker:
         self.server = server
         self.async_engine = server.async_engine
         self.publisher = StorePublisher(server.engine.kv, server.engine.tiers)
+        self.exporter: PageExporter | None = None
+        self.direct = server.config.pd_transfer == "direct"
+        c = server.config
+        link = open_link(c.pd_transfer_host, c.pd_transfer_protocol, c.pd_transfer_device) \
+            if self.direct else None
+        if link is not None:
+            self.exporter = PageExporter(server.engine.kv, self.publisher.tiers, link,
+                                         server.config.pd_transfer_buffer_mb << 20,
+                                         server.config.pd_transfer_ttl_s)
+        self.fallbacks: Counter[str] = Counter()  # direct route: exports not made, by reason
+        self._log = RateLimitedLog(log)
         self.decode_workers = [u.rstrip("/") for u in server.config.decode_workers]
         self._turn = itertools.count()
         self._client: httpx.AsyncClient | None = None
@@ -132,7 +131,9 @@ class PrefillWorker:
             return built, pub.plan(built.token_ids, parsed.cache_salt)
 
         built, plan = await ae.call(build)
-        before = await asyncio.to_thread(pub.in_store, plan.keys)
+        # the direct route does not publish (its fallback counts every page as missing)
+        before = ([False] * len(plan.keys) if self.direct
+                  else await asyncio.to_thread(pub.in_store, plan.keys))
         t0 = time.perf_counter()
         rid = f"prefill-{uuid.uuid4().hex}"
         sub = Submission(rid, parsed, prompt=built)
@@ -148,14 +149,54 @@ class PrefillWorker:
             raise APIError(500, d.error or "prefill ended without usage", type="server_error")
         usage = d.usage
         t1 = time.perf_counter()
-        result = await self._publish(plan, before)
+        sent = await self._export(plan, str(request.base_url)) if self.direct else None
+        result = (PublishResult(len(plan.keys), 0, 0, len(plan.keys) - sent.pages) if sent
+                  else await self._publish(plan, before))
         return {"id": rid, "prompt_tokens": usage.prompt_tokens,
                 "cached_tokens": usage.cached_tokens,
                 "cached_tokens_by_tier": dict(usage.cached_tokens_by_tier),
                 "computed_tokens": usage.prompt_tokens - usage.cached_tokens,
-                **result.to_dict(),
+                **result.to_dict(), "pages_exported": sent.pages if sent else 0,
                 "prefill_s": round(t1 - t0, 6), "publish_s": round(time.perf_counter() - t1, 6),
-                "kv_store": pub.remote.where}
+                "kv_store": pub.remote.where, "transfer": sent.to_dict() if sent else None}
+
+    async def _export(self, plan: PagePlan, base_url: str) -> TransferDescriptor | None:
+        """The direct route: the plan's pages kept for the decode worker; None (counted) if
+        they cannot be, and then the caller publishes them."""
+        if not plan.keys:
+            return None  # no full page: nothing to hand over
+        exporter = self.exporter
+        if exporter is None:
+            return self._fallback("no_transfer_engine")
+        stage = await self.async_engine.call(lambda: exporter.capture(plan))
+        if stage is None:
+            return self._fallback("pages_evicted")
+        sent = await asyncio.to_thread(stage, base_url + "internal/release")
+        return sent or self._fallback("buffer_full")
+
+    def _fallback(self, reason: str) -> None:
+        self.fallbacks[reason] += 1
+        self._log.warning(reason, "direct KV transfer: cannot export a prompt's pages (%s); "
+                                  "publishing them to the store instead", reason)
+
+    async def release(self, request: Request) -> Response:
+        """``POST /internal/release``: {"transfer_id": ID}, from a decode worker that has read
+        the pages of that export."""
+        body = await read_json(request, self.server.config.max_body_bytes)
+        tid = get_str(body, "transfer_id")
+        if tid is None:
+            raise APIError(400, "transfer_id: required", param="transfer_id")
+        return JSONResponse({"released": self.exporter is not None and self.exporter.release(tid)})
+
+    def stats(self) -> dict[str, int | dict[str, int]]:
+        """Counters for /metrics (none on the store route)."""
+        if not self.direct:
+            return {}
+        e = self.exporter.stats() if self.exporter is not None else {}
+        return {**{f"pd_transfer_{k}_total": v for k, v in e.items() if k not in ("live", "free_bytes")},
+                "pd_transfer_live_exports": e.get("live", 0),
+                "pd_transfer_free_bytes": e.get("free_bytes", 0),
+                "pd_transfer_fallbacks_by_reason_total": dict(self.fallbacks)}
 
     async def _publish(self, plan: PagePlan, before: list[bool]) -> PublishResult:
         pub = self.publisher
@@ -203,6 +244,8 @@ class PrefillWorker:
             return Response(status_code=499)
         headers = {"content-type": "application/json",
                    PREFILL_HEADER: json.dumps({k: counts[k] for k in PREFILL_FIELDS})}
+        if counts["transfer"] is not None:
+            headers[TRANSFER_HEADER] = json.dumps(counts["transfer"])
         for h in ("authorization", "x-api-key", "anthropic-version"):
             if h in request.headers:
                 headers[h] = request.headers[h]

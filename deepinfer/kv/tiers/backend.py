@@ -44,7 +44,7 @@ class LoadJob:
     cancelled: bool = False
     num_loaded: int = 0  # leading pages of ``dest`` whose data is in place
     page_tiers: list[int] = field(default_factory=list)  # source tier of each loaded page
-    page_shared: list[bool] = field(default_factory=list)  # per loaded page: from a networked store
+    page_origins: list[str] = field(default_factory=list)  # per loaded page: ``page_store.py``'s
     failed_at: int | None = None  # index of a source page that could not be read
     seconds: float = 0.0  # queued -> data in place
     seconds_by_tier: list[float] = field(default_factory=lambda: [0.0] * NUM_TIERS)  # reading

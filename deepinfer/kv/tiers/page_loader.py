@@ -26,7 +26,7 @@ from ..radix import DISK, HOST
 from .backend import LoadJob
 from .codecs import Codec
 from .disk_file import PageId
-from .page_store import PageStore
+from .page_store import LOCAL, PageStore
 from .page_bytes import KVTransfer, decode_pages
 
 log = logging.getLogger(__name__)
@@ -78,7 +78,7 @@ class PageLoader:
         ids = ((job.source_ids or [None] * len(job.sources))
                + (job.probe_ids or [None] * len(job.probe)))[: len(job.dest)]
         tiers: list[int] = []
-        shared: list[bool] = []
+        origins: list[str] = []
         try:
             if self.cuda:
                 self._side.wait_event(ready)
@@ -89,10 +89,10 @@ class PageLoader:
                     j += 1
                 t0 = time.perf_counter()
                 srcs, dest = [s for _, s in pages[i:j]], job.dest[i:j]
-                got = ([False] * self._load_host(srcs, dest) if tier == HOST
+                got = ([LOCAL] * self._load_host(srcs, dest) if tier == HOST
                        else self._load_disk(srcs, ids[i:j], dest, job))
                 n = len(got)
-                shared += got
+                origins += got
                 job.seconds_by_tier[tier] += time.perf_counter() - t0
                 job.bytes_by_tier[tier] += n * (self.host_page_nbytes if tier == HOST
                                                 else self.disk_page_nbytes)
@@ -106,14 +106,14 @@ class PageLoader:
             log.exception("KV load failed")
             with self._cv:
                 self.counters["load_errors"] += 1
-            tiers, shared = [], []
+            tiers, origins = [], []
             if job.failed_at is None and job.sources:
                 job.failed_at = 0
         finally:
             if self.cuda:  # the main thread reads (or frees) the pages on its own stream
                 self._side.synchronize()
         job.page_tiers = tiers
-        job.page_shared = shared
+        job.page_origins = origins
         job.num_loaded = len(tiers)
         job.seconds = time.perf_counter() - job.t_start
         with self._cv:
@@ -131,11 +131,11 @@ class PageLoader:
         return len(slots)
 
     def _load_disk(self, keys: list[str], ids: list[PageId | None], dest: list[int],
-                   job: LoadJob) -> list[bool]:
+                   job: LoadJob) -> list[str]:
         """Read L3 pages into ``dest`` on up to ``num_readers`` reader threads, each taking the
         next ``READ_CHUNK`` pages in chain order; the first miss stops the pages after it.
-        -> per leading page in place: whether a networked store served it."""
-        done: dict[int, tuple[list[bool], int]] = {}  # chunk start -> (pages in place, length)
+        -> per leading page in place: where it came from (``page_store.py``'s origins)."""
+        done: dict[int, tuple[list[str], int]] = {}  # chunk start -> (pages in place, length)
         nxt, stop = [0], [len(keys)]
         lock = threading.Lock()
 
@@ -154,7 +154,7 @@ class PageLoader:
 
         for f in [self._readers.submit(reader) for _ in range(min(self.num_readers, len(keys)))]:
             f.result()
-        out: list[bool] = []
+        out: list[str] = []
         while len(out) in done:
             ok, length = done[len(out)]
             out += ok
@@ -163,26 +163,26 @@ class PageLoader:
         return out
 
     def _read_pages(self, keys: list[str], ids: list[PageId | None], dest: list[int]
-                    ) -> list[bool]:
+                    ) -> list[str]:
         """Consecutive L3 pages into L1 pages ``dest``: each straight into its buffers when
         lossless in host memory, else into this thread's staging rows, decoded together.
-        -> per leading page in place (a failure stops the chunk): from a networked store?"""
+        -> per leading page in place (a failure stops the chunk): where it came from."""
         assert self.store is not None
-        got: list[bool] = []
+        got: list[str] = []
         try:
             if self.direct_reads:
                 for key, pid, page in zip(keys, ids, dest):
                     self.wait_written(key)
                     if not self.store.read_into(key, self.transfer.page_views(page), pid):
                         break
-                    got.append(self.store.last_read_shared())
+                    got.append(self.store.last_read_origin())
                 return got
             rows = self._staging_rows()
             for key, pid in zip(keys, ids):
                 self.wait_written(key)
                 if not self.store.read_into(key, [memoryview(rows[len(got)].numpy())], pid):
                     break
-                got.append(self.store.last_read_shared())
+                got.append(self.store.last_read_origin())
             n = len(got)
             if n:
                 with torch.cuda.stream(self._side) if self.cuda else contextlib.nullcontext():

@@ -19,17 +19,20 @@ from abc import ABC, abstractmethod
 from .disk_file import PageId
 
 PageItem = tuple[str, bytes, int, PageId | None]  # key, payload, token count, the page it is
+# where a page read came from: this machine's tiers, a networked store shared by engines, or a
+# prefill worker that sent it straight (``kv/transfer_import.py``); hits are reported per origin
+LOCAL, STORE, PREFILL_WORKER = "local", "store", "prefill_worker"
 
 
 class PageStore(ABC):
     """Encoded pages by key. ``where``: the directory or URL, for stats and logs."""
 
     where: str
-    shared = False  # a networked store shared by engines (its hits are reported apart)
+    origin = LOCAL  # where this store's pages come from
 
-    def last_read_shared(self) -> bool:
-        """Whether this thread's last successful ``read_into`` came from a networked store."""
-        return self.shared
+    def last_read_origin(self) -> str:
+        """Where this thread's last successful ``read_into`` came from."""
+        return self.origin
 
     @abstractmethod
     def put(self, key: str, payload: bytes, token_count: int, page: PageId | None = None) -> bool:

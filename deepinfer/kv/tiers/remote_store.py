@@ -29,7 +29,7 @@ from typing import TypeVar
 
 from .disk_file import BadFile, PageFormat, PageId
 from .disk_store import DiskStore
-from .page_store import PageItem, PageStore
+from .page_store import LOCAL, STORE, PageItem, PageStore
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -63,7 +63,7 @@ class RemoteStore(PageStore):
     """Checksummed page bytes in a ``KVClient``'s store. ``max_known``: how many keys this
     process remembers having written or read (``known``)."""
 
-    shared = True
+    origin = STORE
 
     def __init__(self, client: KVClient, namespace: str, *, secret: bytes | None = None,
                  retry_s: float = 5.0, timeout_s: float = 2.0, max_known: int = 1 << 20,
@@ -267,7 +267,7 @@ class RemoteStore(PageStore):
 
 
 class _LastRead(threading.local):
-    shared = False  # per reader thread: whether its last read came from the remote store
+    origin = LOCAL  # per reader thread: where its last read came from
 
 
 class LayeredStore(PageStore):
@@ -300,14 +300,15 @@ class LayeredStore(PageStore):
         return self.remote.get(key, view, expect)
 
     def read_into(self, key: str, dest: list[memoryview], expect: PageId | None = None) -> bool:
-        self._read.shared = False
+        self._read.origin = LOCAL
         if (self.local.known(key) or self.local.contains(key)) and self.local.read_into(key, dest, expect):
             return True
-        self._read.shared = self.remote.read_into(key, dest, expect)
-        return self._read.shared
+        ok = self.remote.read_into(key, dest, expect)
+        self._read.origin = STORE if ok else LOCAL
+        return ok
 
-    def last_read_shared(self) -> bool:
-        return self._read.shared
+    def last_read_origin(self) -> str:
+        return self._read.origin
 
     def contains(self, key: str) -> bool:
         return self.local.contains(key) or self.remote.contains(key)

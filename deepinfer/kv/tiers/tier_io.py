@@ -379,6 +379,11 @@ class TierIO(TierBackend):
                     for ok in remote.put_many(items[i : i + step])]
         return put
 
+    def put_in_front(self, store: PageStore) -> None:
+        """Read L3 through ``store``, which reads through to the current one (a decode
+        worker's pulled pages: ``kv/transfer_import.py``)."""
+        self.store = self.loader.store = store
+
     def wait(self, timeout: float | None = None) -> bool:
         return self.loader.wait(timeout)
 

@@ -184,8 +184,9 @@ class WindowKVCacheManager(KVCacheManager):
                 req.cached_tokens_by_tier[name] -= d
                 self.stats.hit_tokens_by_tier[name] -= d
                 left -= d
-        req.store_cached_tokens = min(req.store_cached_tokens,
-                                      req.cached_tokens_by_tier.get(TIER_NAMES[DISK], 0))
+        disk = req.cached_tokens_by_tier.get(TIER_NAMES[DISK], 0)
+        req.store_cached_tokens = min(req.store_cached_tokens, disk)
+        req.prefill_worker_cached_tokens = min(req.prefill_worker_cached_tokens, disk)
 
     # ------------------------------------------------------------------ allocation
     def allocate(self, req: Request, num_new_tokens: int) -> bool:
