@@ -9,7 +9,9 @@ each) on the embedded SmolLM2 (or ``--model``), on loopback:
   token ids: no cache hits) arrive one after another;
 * ``pd``: a prefill worker (``--role prefill --decode-worker``) and a decode worker
   (``--role decode``) over a ``redis-server`` store; every request goes to the prefill
-  worker, which forwards it.
+  worker, which forwards it (the store route: the prompt's pages go through the store);
+* ``pd_direct``: the same with ``--pd-transfer direct`` on both workers: the decode worker
+  reads the pages from the prefill worker's memory over Mooncake's transfer engine (TCP).
 
 A chat asks for ``--chat-tokens`` tokens with logprobs, so each streamed chunk says how many
 tokens it holds: a chunk of k tokens arriving g seconds after the previous one counts k
@@ -17,8 +19,14 @@ gaps of g / k. Printed: p50 / p99 of those gaps and their ratio to ``decode_only
 CPU model. The lower tiers are off (``--no-disk-cache --host-cache-gb 0``; under PD the store
 is L3), so the set-ups differ only in where prompts are computed.
 
+Then, for each PD set-up, the hand-over alone: ``--handovers`` long prompts of the first
+length, one at a time on idle workers; per request the prefill worker's publish time (store
+route: its pages written and acknowledged), the decode worker's pull time (direct route) and its
+load time (pages from the store or the pulled buffer into its device pool: ``kv_load_seconds``),
+as means.
+
     python benchmarks/pd.py [--model PATH] [--chats 3] [--prefills 4]
-        [--prefill-tokens 2048,3072,4096] [--chat-tokens 96] [--quick]
+        [--prefill-tokens 2048,3072,4096] [--chat-tokens 96] [--handovers 4] [--quick]
 """
 
 from __future__ import annotations
@@ -115,6 +123,31 @@ async def prefill_loop(client: httpx.AsyncClient, url: str, sizes: list[int], vo
         seconds.append(time.perf_counter() - t0)
 
 
+def load_seconds(url: str) -> float:
+    """The decode worker's summed KV load time so far (``kv_load_seconds`` histogram)."""
+    text = httpx.get(url + "/metrics", timeout=30).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("deepinfer:kv_load_seconds_sum"))
+
+
+def handovers(args, url: str, decode_url: str) -> dict:
+    """Long prompts alone, one at a time: mean publish, pull and load seconds per request."""
+    rng = random.Random(1)
+    publish, pull, load = [], [], []
+    for _ in range(args.handovers):
+        before = load_seconds(decode_url)
+        r = httpx.post(url + "/v1/completions", timeout=None, json={
+            "prompt": [rng.randrange(100, args.vocab) for _ in range(args.prefill_tokens[0])],
+            "max_tokens": 2, "temperature": 0})
+        r.raise_for_status()
+        pre = r.json()["usage"]["prefill_worker"]
+        publish.append(pre["publish_s"])
+        pull.append(pre.get("pull_s", 0.0))
+        load.append(load_seconds(decode_url) - before)
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    return {"publish_s": mean(publish), "pull_s": mean(pull), "load_s": mean(load)}
+
+
 async def workload(args, url: str, with_prefills: bool) -> dict:
     gaps: list[float] = []
     seconds: list[float] = []
@@ -139,13 +172,14 @@ async def workload(args, url: str, with_prefills: bool) -> dict:
 def run_setup(args, name: str, tmp: Path) -> dict:
     procs: list[subprocess.Popen] = []
     try:
-        if name == "pd":
+        if name.startswith("pd"):
             rport, dport, pport = free_port(), free_port(), free_port()
             procs.append(start([shutil.which("redis-server") or "redis-server", "--port",
                                 str(rport), "--bind", "127.0.0.1", "--save", "", "--appendonly",
                                 "no", "--maxmemory", args.redis_memory,
                                 "--maxmemory-policy", "allkeys-lru"], tmp / "redis.log"))
-            store = ["--kv-store", f"redis://127.0.0.1:{rport}"]
+            store = ["--kv-store", f"redis://127.0.0.1:{rport}",
+                     "--pd-transfer", "direct" if name == "pd_direct" else "store"]
             dlog, plog = tmp / "decode.log", tmp / "prefill.log"
             procs.append(serve(args, dport, dlog, "--role", "decode", *store))
             procs.append(serve(args, pport, plog, "--role", "prefill", "--decode-worker",
@@ -153,6 +187,8 @@ def run_setup(args, name: str, tmp: Path) -> dict:
             wait_ready(f"http://127.0.0.1:{dport}", procs[1], dlog)
             url = f"http://127.0.0.1:{pport}"
             wait_ready(url, procs[2], plog)
+            out = asyncio.run(workload(args, url, with_prefills=True))
+            return {**out, **handovers(args, url, f"http://127.0.0.1:{dport}")}
         else:
             port = free_port()
             log = tmp / f"{name}.log"
@@ -177,6 +213,8 @@ def main() -> int:
     ap.add_argument("--prefills", type=int, default=4, help="long prompts, one after another")
     ap.add_argument("--prefill-tokens", default="2048,3072,4096",
                     help="their lengths, cycled")
+    ap.add_argument("--handovers", type=int, default=4,
+                    help="PD set-ups: long prompts timed alone afterwards (hand-over cost)")
     ap.add_argument("--baseline-requests", type=int, default=2,
                     help="decode_only: chat requests per chat")
     ap.add_argument("--vocab", type=int, default=49152, help="random prompt ids below this")
@@ -187,12 +225,13 @@ def main() -> int:
     args.prefill_tokens = [int(x) for x in args.prefill_tokens.split(",")]
     if args.quick:
         args.chats, args.chat_tokens, args.prefills, args.prefill_tokens = 2, 48, 2, [2048]
+        args.handovers = 2
     if shutil.which("redis-server") is None:
         print("redis-server is needed for the pd set-up (scripts/setup.sh installs it)")
         return 1
     results = {}
     with tempfile.TemporaryDirectory(prefix="deepinfer-pd-bench-") as tmp:
-        for name in ("decode_only", "colocated", "pd"):
+        for name in ("decode_only", "colocated", "pd", "pd_direct"):
             results[name] = run_setup(args, name, Path(tmp))
             print(f"{name}: {results[name]}", file=sys.stderr, flush=True)
     base = results["decode_only"]
@@ -205,6 +244,17 @@ def main() -> int:
         pre = f"{r['prefill_s']:.1f}" if r["prefill_s"] is not None else "-"
         print(f"| {name} | {r['tokens']} | {1e3 * r['p50_s']:.1f} | {1e3 * r['p99_s']:.1f} | "
               f"{r['p50_s'] / base['p50_s']:.2f}x | {r['p99_s'] / base['p99_s']:.2f}x | {pre} |")
+    print(f"\nHand-over of one {args.prefill_tokens[0]}-token prompt on idle workers "
+          f"(mean of {args.handovers}): ms")
+    print("| route | prefill: publish (store) or export (direct) | decode: pull | decode: load into the pool | "
+          "pull + load vs store load |")
+    print("|---|---|---|---|---|")
+    store_load = results["pd"]["load_s"]
+    for name in ("pd", "pd_direct"):
+        r = results[name]
+        print(f"| {'store' if name == 'pd' else 'direct'} | {1e3 * r['publish_s']:.1f} | "
+              f"{1e3 * r['pull_s']:.1f} | {1e3 * r['load_s']:.1f} | "
+              f"{(r['pull_s'] + r['load_s']) / store_load:.2f}x |")
     return 0
 
 

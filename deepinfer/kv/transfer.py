@@ -57,13 +57,14 @@ class TransferDescriptor:
 
 
 class Arena:
-    """A host buffer registered with a ``TransferLink``, handed out in byte ranges (first
-    fit; freed ranges merge)."""
+    """A host buffer registered with a ``TransferLink`` (which it keeps alive: its engine
+    serves peers' reads), handed out in byte ranges (first fit; freed ranges merge)."""
 
     def __init__(self, link: TransferLink, nbytes: int) -> None:
         self.buffer = torch.zeros(nbytes, dtype=torch.uint8)  # touched now: no fault mid-transfer
         self.address = self.buffer.data_ptr()
         self.nbytes = nbytes
+        self.link = link
         link.register(self.address, nbytes)
         self._free: list[tuple[int, int]] = [(0, nbytes)]  # (offset, length), by offset
         self._lock = threading.Lock()
@@ -98,6 +99,10 @@ class Arena:
     def view(self, off: int, n: int) -> memoryview:
         return memoryview(self.buffer[off : off + n].numpy())
 
+    def close(self) -> None:
+        """Unregister the buffer: peers can no longer read it (local reads still work)."""
+        self.link.unregister(self.address)
+
 
 class TransferLink:
     """One process's transfer engine. ``hostname``: the address peers reach it at;
@@ -119,6 +124,9 @@ class TransferLink:
         rc = self.engine.register_memory(address, nbytes)
         if rc != 0:
             raise TransferError(f"register_memory of {nbytes} bytes -> {rc}")
+
+    def unregister(self, address: int) -> None:
+        self.engine.unregister_memory(address)
 
     def read(self, session: str, local: int, remote: int, nbytes: int) -> None:
         """Copy ``nbytes`` at ``remote`` in ``session``'s registered memory to ``local`` in ours

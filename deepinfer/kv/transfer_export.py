@@ -45,7 +45,6 @@ class PageExporter:
         assert tiers.remote is not None  # the role needs the store (its page format, fallback)
         self.kv, self.tiers = kv, tiers
         self.format = tiers.remote.format
-        self.link = link  # (its engine serves the reads while it lives)
         self.session = link.session
         self.arena = Arena(link, nbytes)
         self.ttl_s = ttl_s
@@ -124,3 +123,6 @@ class PageExporter:
         with self._lock:
             return {**self.counters, "live": len(self._exports),
                     "free_bytes": self.arena.free_bytes()}
+
+    def close(self) -> None:
+        self.arena.close()

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import xxhash
 
 from .tiers.disk_file import PREFIX, BadFile, PageFormat, PageId
-from .tiers.page_store import PREFILL_WORKER, PageItem, PageStore
+from .tiers.page_store import PREFILL_WORKER, PageItem, PageStore, copy_payload
 from .transfer import Arena, TransferDescriptor, TransferError, TransferLink
 
 log = logging.getLogger(__name__)
@@ -164,13 +164,8 @@ class StagedPages(PageStore):
             run, off = got
             try:
                 _, payload = self.format.parse(key, self.arena.view(off, run.page_bytes), expect)
-                flat = [d.cast("B") if d.ndim != 1 or d.format != "B" else d for d in dest]
-                if len(payload) != sum(d.nbytes for d in flat):
+                if not copy_payload(payload, dest):
                     raise BadFile("foreign", "payload size differs from the pool's pages")
-                at = 0
-                for d in flat:
-                    d[:] = payload[at : at + d.nbytes]
-                    at += d.nbytes
             except BadFile as bad:
                 log.warning("page %s from the prefill worker unusable (%s): a miss", key, bad)
                 self._count("checksum_failures")

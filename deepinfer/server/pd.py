@@ -288,6 +288,8 @@ class PrefillWorker:
                        type="server_error", code="decode_worker_unavailable")
 
     async def close(self) -> None:
+        if self.exporter is not None:
+            self.exporter.close()
         if self._client is not None:
             await self._client.aclose()
 

@@ -102,13 +102,14 @@ class DecodeWorker:
             self._fallback("no_transfer_engine", "no transfer engine here (start with "
                            "--role decode --pd-transfer direct)")
         else:
+            assert self.staged is not None
             run = await self._pull(d)
             if run is not None:
                 kv = self.async_engine.engine.kv
                 skip = await self.async_engine.call(lambda: _in_tree(kv, run.hashes))
                 staged = self.staged.stage(run, skip)
                 pages, seconds = len(run.keys), run.seconds
-            self._release(d)
+        self._release(d)  # (a decode worker without a transfer engine frees it too)
         return {**(counts or {}), "pages_pulled": pages, "pages_staged": staged,
                 "pull_s": round(seconds, 6)}
 
@@ -165,6 +166,8 @@ class DecodeWorker:
                 "pd_transfer_fallbacks_by_reason_total": dict(self.fallbacks)}
 
     async def close(self) -> None:
+        if self.staged is not None:
+            self.staged.arena.close()
         if self._client is not None:
             await self._client.aclose()
 

@@ -65,16 +65,21 @@ class PageStore(ABC):
         """Like ``get``, the payload into the caller's buffers ``dest`` (here a copy; the
         directory store reads straight into them). False if absent, bad or not ``dest``'s size."""
         payload = self.get(key, view=True, expect=expect)
-        flat = [d.cast("B") if d.ndim != 1 or d.format != "B" else d for d in dest]
-        if payload is None or len(payload) != sum(d.nbytes for d in flat):
-            return False
-        off = 0
-        for d in flat:
-            d[:] = payload[off : off + d.nbytes]
-            off += d.nbytes
-        return True
+        return payload is not None and copy_payload(payload, dest)
 
     def put_many(self, items: list[PageItem]) -> list[bool]:
         """Store pages; per page, True if stored. One round trip on a networked store, one
         file after another on a directory."""
         return [self.put(*item) for item in items]
+
+
+def copy_payload(payload: bytes | memoryview, dest: list[memoryview]) -> bool:
+    """``payload`` into the buffers ``dest``, filled in order; False if the sizes differ."""
+    flat = [d.cast("B") if d.ndim != 1 or d.format != "B" else d for d in dest]
+    if len(payload) != sum(d.nbytes for d in flat):
+        return False
+    off = 0
+    for d in flat:
+        d[:] = payload[off : off + d.nbytes]
+        off += d.nbytes
+    return True
