@@ -18,7 +18,7 @@ shared store (``--kv-store``), never through the client.
 published to the store, loaded from it. ``direct``: the prefill worker does not publish them; it
 keeps them in its transfer engine's buffer (``kv/transfer_export.py``) and hands over their
 descriptor (``transfer`` in the counts; ``TRANSFER_HEADER`` when forwarding), which the decode
-worker reads them with (``pd_transfer.py``) and then releases. Where it cannot export them (no
+worker reads them with (``pd_decode.py``) and then releases. Where it cannot export them (no
 transfer engine, buffer full) the prefill worker publishes them as on the store route, and
 counts why (``pd_transfer_fallbacks_by_reason_total``).
 
@@ -66,6 +66,8 @@ PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions",
 # response headers of a decode worker passed back to the client
 PASSED_HEADERS = ("content-type", "x-request-id", "x-deepinfer-prompt-encoding",
                   "x-deepinfer-history-rewritten", "retry-after")
+
+
 def check_role(config: ServerConfig, engine_config: EngineConfig) -> None:
     """The roles' requirements, at start-up (ValueError)."""
     if config.role != "both" and engine_config.kv_store is None:
@@ -95,15 +97,14 @@ class PrefillWorker:
         self.server = server
         self.async_engine = server.async_engine
         self.publisher = StorePublisher(server.engine.kv, server.engine.tiers)
-        self.exporter: PageExporter | None = None
-        self.direct = server.config.pd_transfer == "direct"
         c = server.config
+        self.direct = c.pd_transfer == "direct"
+        self.exporter: PageExporter | None = None
         link = open_link(c.pd_transfer_host, c.pd_transfer_protocol, c.pd_transfer_device) \
             if self.direct else None
         if link is not None:
             self.exporter = PageExporter(server.engine.kv, self.publisher.tiers, link,
-                                         server.config.pd_transfer_buffer_mb << 20,
-                                         server.config.pd_transfer_ttl_s)
+                                         c.pd_transfer_buffer_mb << 20, c.pd_transfer_ttl_s)
         self.fallbacks: Counter[str] = Counter()  # direct route: exports not made, by reason
         self._log = RateLimitedLog(log)
         self.decode_workers = [u.rstrip("/") for u in server.config.decode_workers]
@@ -193,8 +194,9 @@ class PrefillWorker:
         if not self.direct:
             return {}
         e = self.exporter.stats() if self.exporter is not None else {}
-        return {**{f"pd_transfer_{k}_total": v for k, v in e.items() if k not in ("live", "free_bytes")},
-                "pd_transfer_live_exports": e.get("live", 0),
+        counters = {f"pd_transfer_{k}_total": v for k, v in e.items()
+                    if k not in ("live", "free_bytes")}
+        return {**counters, "pd_transfer_live_exports": e.get("live", 0),
                 "pd_transfer_free_bytes": e.get("free_bytes", 0),
                 "pd_transfer_fallbacks_by_reason_total": dict(self.fallbacks)}
 

@@ -1,14 +1,15 @@
-"""The direct route of prefill/decode disaggregation (``--pd-transfer direct``): the decode
-worker's side, and the transfer engine both sides open.
+"""The decode worker's side of a prefill/decode hand-over (``pd.py`` is the prefill worker's).
 
-A request handed over by a prefill worker carries, besides its counts (``pd.py``), the
-descriptor of its exported pages in ``TRANSFER_HEADER``. ``DecodeWorker.receive`` reads them
-into this worker's arena (``kv/transfer_import.py``) before the request is queued, so its
-lookup finds them as L3 pages, and tells the prefill worker to free them. When this worker has
-no transfer engine, or the read fails or takes longer than ``--pd-transfer-timeout``, it takes
-the store route instead: a warning (one per kind per 10 s), a count in
-``pd_transfer_fallbacks_by_reason_total``, and the request is served from the store, or
-computed; never an error.
+A request handed over by a prefill worker carries its counts in ``PREFILL_HEADER``
+(``prefill_counts``; they come back in its usage as ``prefill_worker``) and, on the direct
+route (``--pd-transfer direct``), the descriptor of its exported pages in ``TRANSFER_HEADER``.
+``DecodeWorker.receive`` reads those pages into this worker's arena
+(``kv/transfer_import.py``) before the request is queued, so its lookup finds them as L3
+pages, and tells the prefill worker to free them. When this worker has no transfer engine, or
+the read fails or takes longer than ``--pd-transfer-timeout``, the request takes the store
+route instead: a warning (one per kind per 10 s), a count in
+``pd_transfer_fallbacks_by_reason_total``, and its pages come from the store, or are computed;
+never an error.
 """
 
 from __future__ import annotations
