@@ -43,9 +43,7 @@ _OBJECT_KEYS = {"type", "properties", "required", "additionalProperties", "descr
 # keywords of a string schema that leave it writable raw (annotations, enum / const)
 _RAW_STRING_KEYS = {"type", "description", "title", "default", "examples", "$comment",
                     "deprecated", "readOnly", "writeOnly", "enum", "const"}
-
-
-_TRUE, _FALSE = '"true">', '"false">'
+_TRUE, _FALSE = '"true">', '"false">'  # how a parameter's open tag ends: raw or JSON value
 
 
 @dataclass(frozen=True)
@@ -67,6 +65,8 @@ def _lit(text: str) -> str:
 
 
 class _Builder:
+    """Collects the Lark rules of one grammar (one rule per invoke and per parameter)."""
+
     def __init__(self, syntax: DsmlSyntax, dsml: str) -> None:
         self.s, self.d = syntax, dsml
         self.rules: list[str] = []
