@@ -6,6 +6,15 @@ string or text blocks) becomes a system message, text blocks are joined, an assi
 messages. So tools are rendered by the model's own template, replies are parsed by the same
 tool-call parser, and the conversation is encoded prefix-stably like any chat.
 
+Thinking (a model whose encoding renders it: DeepSeek-V4 / V4.1): ``thinking: {"type":
+"enabled", "budget_tokens": N}`` (or ``"adaptive"``) turns the model's thinking mode on,
+``"disabled"`` off, absent keeps the model's default, as deepseek-recipe's own Messages
+conversion does (the budget is checked, not enforced: ``max_tokens`` bounds the reply). The
+reply's reasoning comes back as a ``thinking`` block before the text and ``tool_use`` blocks
+(streamed as ``thinking_delta`` events, then a ``signature_delta``), and a ``thinking`` block
+sent back in an assistant message is that message's reasoning, so the next prompt is built
+(and prefix-stable, or reported rewritten) as on the OpenAI path with ``reasoning_content``.
+
 ``cache_control`` marks (on system blocks, tools and message blocks) are cache-unit
 boundaries and pins for their TTL (``cache_control.py``). Usage adds up to the prompt:
 ``input_tokens + cache_read_input_tokens + cache_creation_input_tokens`` = prompt tokens.
@@ -26,6 +35,7 @@ from .outputs import Delta, Usage
 from .cache_control import MAX_BREAKPOINTS, TTLS, CacheBreakpoint
 from .protocol import (APIError, ParsedRequest, bad, get_bool, get_int, get_num, get_str,
                        tool_request)
+from .thinking import Thinking
 from .tools import ToolOutput
 from .tools.stream import ReplyStream
 
@@ -114,6 +124,10 @@ class _Converter:
             t = b["type"]
             if t == "text":
                 msg["content"] += _text_of(b, bw)
+            elif t == "thinking" and role == "assistant":
+                if not isinstance(b.get("thinking"), str):
+                    raise bad(f"{bw}.thinking", "must be a string")
+                msg["reasoning_content"] = msg.get("reasoning_content", "") + b["thinking"]
             elif t == "tool_use" and role == "assistant":
                 if not isinstance(b.get("id"), str) or not isinstance(b.get("name"), str):
                     raise bad(bw, "a tool_use block needs a string 'id' and 'name'")
@@ -169,6 +183,19 @@ def _tool_choice(body: dict) -> dict:
     return out
 
 
+def _thinking(body: dict, max_tokens: int) -> Thinking:
+    t = body.get("thinking")
+    if t is None:
+        return Thinking()
+    if not isinstance(t, dict) or t.get("type") not in ("enabled", "adaptive", "disabled"):
+        raise bad("thinking.type", "must be \"enabled\", \"adaptive\" or \"disabled\"")
+    budget = get_int(t, "budget_tokens")
+    if budget is not None and not 1 <= budget < max_tokens:
+        raise bad("thinking.budget_tokens", f"must be >= 1 and less than max_tokens "
+                                            f"({max_tokens})")
+    return Thinking(t["type"] != "disabled")
+
+
 def parse_messages_request(body: dict, defaults: dict | None = None) -> ParsedRequest:
     defaults = defaults or {}
     tools, tool_ttls = _tools(body)
@@ -217,7 +244,8 @@ def parse_messages_request(body: dict, defaults: dict | None = None) -> ParsedRe
                          cache_salt=salt, user=meta.get("user_id"), tools=treq,
                          tool_call_prefix="toolu_",
                          structured_field="tool_choice" if treq.forced else "response_format",
-                         cache_breakpoints=conv.breakpoints)
+                         cache_breakpoints=conv.breakpoints,
+                         thinking=_thinking(body, max_tokens))
 
 
 # ---------------------------------------------------------------------- response
@@ -227,10 +255,14 @@ def usage_dict(u: Usage) -> dict:
             "cache_read_input_tokens": read, "cache_creation_input_tokens": created}
 
 
-def content_blocks(text: str, tools: ToolOutput | None) -> list[dict]:
+def content_blocks(text: str, tools: ToolOutput | None, signature: str) -> list[dict]:
+    """The reply's blocks: its reasoning (``signature``: the response id, as deepseek-recipe
+    signs it), its text, its calls."""
     if tools is None:
         return [{"type": "text", "text": text}] if text else []
-    blocks = [{"type": "text", "text": tools.content}] if tools.content else []
+    blocks = [{"type": "thinking", "thinking": tools.reasoning, "signature": signature}] \
+        if tools.reasoning is not None else []
+    blocks += [{"type": "text", "text": tools.content}] if tools.content else []
     return blocks + [{"type": "tool_use", "id": c.id, "name": c.name, "input": c.arguments}
                      for c in tools.calls]
 
@@ -251,7 +283,7 @@ def message_body(rid: str, model: str, text: str, d: Delta) -> dict:
     """The non-streamed response, from the reply's text and its final delta."""
     stop, seq = stop_reason(d)
     return {"id": rid, "type": "message", "role": "assistant", "model": model,
-            "content": content_blocks(text, d.tool_output), "stop_reason": stop,
+            "content": content_blocks(text, d.tool_output, rid), "stop_reason": stop,
             "stop_sequence": seq, "usage": usage_dict(d.usage)}
 
 
@@ -262,65 +294,79 @@ def stop_reason(d: Delta) -> tuple[str, str | None]:
     return STOP_REASONS.get(d.finish_reason, "end_turn"), None
 
 
-def _block_events(index: int, block: dict, delta: dict | None) -> list[str]:
-    out = [_event("content_block_start", {"type": "content_block_start", "index": index,
-                                          "content_block": block})]
-    if delta is not None:
-        out.append(_event("content_block_delta", {"type": "content_block_delta", "index": index,
-                                                  "delta": delta}))
-    return out
+def _delta(index: int, delta: dict) -> str:
+    return _event("content_block_delta", {"type": "content_block_delta", "index": index,
+                                          "delta": delta})
 
 
-def _block_stop(index: int) -> str:
-    return _event("content_block_stop", {"type": "content_block_stop", "index": index})
+class _Blocks:
+    """The content block being streamed: a new kind of content closes it and opens the next
+    (a thinking block is closed with its signature)."""
+
+    def __init__(self, signature: str) -> None:
+        self.signature = signature
+        self.index, self.open = 0, None  # open: "thinking" | "text" | "tool_use" | None
+
+    def close(self) -> list[str]:
+        if self.open is None:
+            return []
+        out = [_delta(self.index, {"type": "signature_delta", "signature": self.signature})] \
+            if self.open == "thinking" else []
+        out.append(_event("content_block_stop", {"type": "content_block_stop",
+                                                 "index": self.index}))
+        self.index += 1
+        self.open = None
+        return out
+
+    def start(self, block: dict) -> list[str]:
+        out = self.close()
+        self.open = block["type"]
+        return out + [_event("content_block_start", {"type": "content_block_start",
+                                                     "index": self.index, "content_block": block})]
+
+    def text(self, kind: str, text: str) -> list[str]:
+        """A thinking or text fragment, in its block."""
+        block = {"type": kind, kind: "", **({"signature": ""} if kind == "thinking" else {})}
+        out = [] if self.open == kind else self.start(block)
+        return out + [_delta(self.index, {"type": f"{kind}_delta", kind: text})]
 
 
 async def stream_events(rid: str, model: str, num_prompt_tokens: int,
                         deltas: AsyncIterator[Delta], tools: ReplyStream | None
                         ) -> AsyncIterator[str]:
-    """The SSE events of a streamed reply: message_start, content blocks (text deltas,
-    tool_use blocks with their input as input_json_delta fragments), message_delta,
+    """The SSE events of a streamed reply: message_start, content blocks (thinking and text
+    deltas, tool_use blocks with their input as input_json_delta fragments), message_delta,
     message_stop."""
     start_usage = {"input_tokens": num_prompt_tokens, "output_tokens": 0,
                    "cache_read_input_tokens": 0, "cache_creation_input_tokens": 0}
     yield _event("message_start", {"type": "message_start", "message": {
         "id": rid, "type": "message", "role": "assistant", "model": model, "content": [],
         "stop_reason": None, "stop_sequence": None, "usage": start_usage}})
-    index, open_block = 0, None  # the block being streamed: "text" | "tool_use" | None
+    blocks = _Blocks(rid)
     async for d in deltas:
         if d.error:
             yield _event("error", {"type": "error", "error": {"type": "api_error",
                                                               "message": d.error}})
             return
-        text, calls = d.text, []
+        reasoning, text, calls = "", d.text, []
         if tools is not None:
             piece = tools.finish(d.tool_output, d.token_ids) if d.final else \
                 tools.push(d.text, d.token_ids)
-            text, calls = piece.content, piece.calls
-        if text:
-            if open_block != "text":
-                if open_block is not None:
-                    yield _block_stop(index)
-                    index += 1
-                yield _block_events(index, {"type": "text", "text": ""}, None)[0]
-                open_block = "text"
-            yield _event("content_block_delta", {"type": "content_block_delta", "index": index,
-                                                 "delta": {"type": "text_delta", "text": text}})
+            reasoning, text, calls = piece.reasoning, piece.content, piece.calls
+        events = blocks.text("thinking", reasoning) if reasoning else []
+        events += blocks.text("text", text) if text else []
         for call in calls:
             if call.id is not None:  # a new call: its tool_use block
-                if open_block is not None:
-                    yield _block_stop(index)
-                    index += 1
-                yield _block_events(index, {"type": "tool_use", "id": call.id, "name": call.name,
-                                            "input": {}}, None)[0]
-                open_block = "tool_use"
+                events += blocks.start({"type": "tool_use", "id": call.id, "name": call.name,
+                                        "input": {}})
             if call.arguments:
-                yield _event("content_block_delta", {
-                    "type": "content_block_delta", "index": index,
-                    "delta": {"type": "input_json_delta", "partial_json": call.arguments}})
+                events.append(_delta(blocks.index, {"type": "input_json_delta",
+                                                    "partial_json": call.arguments}))
+        for e in events:
+            yield e
         if d.final:
-            if open_block is not None:
-                yield _block_stop(index)
+            for e in blocks.close():
+                yield e
             stop, seq = stop_reason(d)
             yield _event("message_delta", {"type": "message_delta",
                                            "delta": {"stop_reason": stop, "stop_sequence": seq},

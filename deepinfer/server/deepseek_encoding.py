@@ -28,10 +28,12 @@ import deepseek_recipe as dr
 
 from ..errors import RequestError
 from ..kv.radix import common_len
+from ..structured.spec import StructuredOutput
 from .prompts import BuiltPrompt, PromptBuilder, message_bytes, reply_hasher, reply_key
 from .shared_replies import SharedReplies
 from .thinking import Thinking
 from .tools import ToolCall, ToolOutput, ToolRequest
+from .tools.dsml_grammar import V4, V41, dsml_call_grammar
 from .tools.parsers import DSML_PARSER, call_id
 from .tools.stream import CallDelta, StreamPiece
 
@@ -84,10 +86,19 @@ class DeepseekChat:
     def __init__(self, checkpoint: Path, version: dr.ModelVersion, end_ids: Iterable[int]) -> None:
         self.tokenizer = dr.Tokenizer.from_file(str(checkpoint / "tokenizer.json"))
         self.end_ids = set(end_ids)  # the engine stops on them; the processor is not shown them
-        enc = dr.DeepseekV41Encoding() if version == dr.ModelVersion.DeepseekV41Flash \
-            else dr.DeepseekV4Encoding()
+        v41 = version == dr.ModelVersion.DeepseekV41Flash
+        enc = dr.DeepseekV41Encoding() if v41 else dr.DeepseekV4Encoding()
         self.encoding = enc.with_tokenizer(self.tokenizer)
         self.options = dr.ConversionOptions().with_model_alias(_ALIAS, version)
+        self.syntax = V41 if v41 else V4
+        self.dsml = self._marker(dr.SpecialToken.Dsml)
+
+    def _marker(self, token: dr.SpecialToken) -> str:
+        """A special token as a Lark item: its id when it is one token (which text cannot
+        fake), else its spelling."""
+        spelling = self.options.special_tokens.token(token)
+        ids = list(self.tokenizer.encode(spelling))
+        return f"<[{ids[0]}]>" if len(ids) == 1 else json.dumps(spelling, ensure_ascii=False)
 
     def convert(self, messages: list[dict], tools: ToolRequest, thinking: Thinking,
                 stop: list[str] | None = None) -> dr.ConversationRequest:
@@ -106,6 +117,20 @@ class DeepseekChat:
             return dr.ChatCompletionRequest(body).convert(self.options)
         except (ValueError, dr.ConversionError) as e:
             raise RequestError(self._blame(body), str(e)) from None
+
+    def call_grammar(self, messages: list[dict], tools: ToolRequest,
+                     thinking: Thinking) -> StructuredOutput | None:
+        """The grammar of a reply whose prompt opened the DSML call block (``tool_choice``
+        required / named): calls to the tools the recipe lists for that choice."""
+        request = self.convert(messages, tools, thinking)
+        constraint = request.inference_options.output_constraint
+        if constraint is None or constraint.kind != "tool_call_required":
+            return None
+        listed = json.loads(constraint.schema)
+        where = {t["function"]["name"]: f"tools[{i}].function" for i, t in enumerate(tools.tools)}
+        wheres = [where.get(t["function"]["name"], "tools") for t in listed]
+        return StructuredOutput.lark(dsml_call_grammar(self.syntax, self.dsml, listed,
+                                                       tools.parallel, wheres))
 
     def _blame(self, body: dict) -> str:
         """The request field a rejected conversion is about: the first one whose removal makes

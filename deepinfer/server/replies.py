@@ -40,10 +40,12 @@ class ReplyFormat:
         return builder.chat(p.messages, p.cache_salt, p.tools.tools, p.tools, p.thinking)
 
     def constraint(self, p: ParsedRequest, added_tokens: dict[str, int]) -> StructuredOutput | None:
-        """The grammar of a reply that must be calls (``tool_choice`` required / named). The
-        recipe's prompt opens the DSML call block itself, so it needs none."""
-        if not p.tools.forced or self.recipe is not None:
+        """The grammar of a reply that must be calls (``tool_choice`` required / named): the
+        parser family's call syntax, or DSML after the call block the recipe's prompt opens."""
+        if not p.tools.forced:
             return None
+        if self.recipe is not None:
+            return self.recipe.call_grammar(p.messages, p.tools, p.thinking)
         schema = p.tools.call_schema(self.tool_parser.ARGS_KEY)
         return StructuredOutput.lark(self.tool_parser.call_grammar(schema, p.tools.parallel,
                                                                    added_tokens))

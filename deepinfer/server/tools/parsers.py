@@ -153,7 +153,7 @@ class HermesParser(ToolParser):
     def call_grammar(self, call_schema: dict, parallel: bool,
                      added_tokens: dict[str, int] | None = None) -> str:
         start, end = (_literal(m, added_tokens or {}) for m in (self.START, self.END))
-        call = f'{start} "\\n" %json {_json_rule(call_schema)} "\\n" {end}'
+        call = f'{start} "\\n" %json {json_rule(call_schema)} "\\n" {end}'
         return f'start: call ("\\n" call)*\ncall: {call}' if parallel else f"start: {call}"
 
     def content_end(self, text: str) -> int:
@@ -182,7 +182,7 @@ class Llama3JsonParser(ToolParser):
 
     def call_grammar(self, call_schema: dict, parallel: bool,
                      added_tokens: dict[str, int] | None = None) -> str:
-        call = f"%json {_json_rule(call_schema)}"
+        call = f"%json {json_rule(call_schema)}"
         return f'start: call ("; " call)*\ncall: {call}' if parallel else f"start: {call}"
 
     def parse(self, text: str, final: bool = True) -> ToolOutput:
@@ -235,7 +235,7 @@ class Llama3JsonParser(ToolParser):
                 or self.TAG.startswith(body))
 
 
-def _json_rule(schema: dict) -> str:
+def json_rule(schema: dict) -> str:
     """``%json`` body: the schema, with JSON written as chat templates' ``tojson`` writes it
     (fixed ", " and ": " separators, no free whitespace: a model cannot pad forever, and the
     call renders back identically, so the next turn extends this one in the cache)."""

@@ -1,0 +1,142 @@
+"""The DSML call grammar of a forced tool choice on DeepSeek-V4 / V4.1: it accepts a call
+exactly as deepseek-recipe renders it into history, and every output it lets through (random
+walks over the allowed tokens) parses, with the recipe's own stream parser, into calls whose
+arguments validate against the tool's schema."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import deepseek_recipe as dr
+import jsonschema
+import pytest
+import torch
+from deepseek_tiny import EOS, make_v4_checkpoint
+from transformers import AutoTokenizer
+
+from deepinfer.errors import RequestError
+from deepinfer.server.deepseek_encoding import DeepseekChat
+from deepinfer.server.thinking import Thinking
+from deepinfer.server.tools.request import parse_tool_request
+from deepinfer.structured.grammar import GrammarCompiler
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "required": ["city", "unit"], "properties": {
+        "city": {"type": "string"}, "days": {"type": "integer", "minimum": 1, "maximum": 9},
+        "unit": {"enum": ["c", "f"]},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 3}, "maxItems": 2},
+        "code": {"type": "string", "pattern": "^[a-z]{2}$"}}}}}
+FLAG = {"type": "function", "function": {"name": "flag", "parameters": {
+    "type": "object", "properties": {"on": {"type": "boolean"}}}}}
+TOOLS = [WEATHER, FLAG]
+VERSIONS = [dr.ModelVersion.DeepseekV4Pro, dr.ModelVersion.DeepseekV41Flash]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return make_v4_checkpoint(tmp_path_factory.mktemp("tiny_v4_dsml"))
+
+
+@pytest.fixture(scope="module")
+def tok(ckpt):
+    return AutoTokenizer.from_pretrained(ckpt)
+
+
+@pytest.fixture(scope="module")
+def compiler(tok):
+    return GrammarCompiler(tok, len(tok), [tok.convert_tokens_to_ids(EOS)])
+
+
+def chat_for(ckpt, tok, version) -> DeepseekChat:
+    return DeepseekChat(ckpt, version, [tok.convert_tokens_to_ids(EOS)])
+
+
+def forced(choice="required", tools=TOOLS, parallel=True):
+    return parse_tool_request({"tools": tools, "tool_choice": choice,
+                               "parallel_tool_calls": parallel})
+
+
+USER = [{"role": "user", "content": "Weather in Paris?"}]
+
+
+def rendered_reply(chat: DeepseekChat, calls: list[dict]) -> str:
+    """The reply text the recipe renders for ``calls`` after a forced-choice prompt."""
+    history = USER + [{"role": "assistant", "content": "", "tool_calls": [
+        {"id": f"c{i}", "type": "function", "function": c} for i, c in enumerate(calls)]}] + [
+        {"role": "tool", "tool_call_id": f"c{i}", "content": "ok"} for i in range(len(calls))]
+    req = forced()
+    head = chat.encoding.render_conversation(
+        chat.convert(USER, req, Thinking(False)).conversation).prompt
+    full = chat.encoding.render_conversation(
+        chat.convert(history, req, Thinking(False)).conversation).prompt
+    assert full.startswith(head)
+    return full[len(head):full.index(EOS, len(head))]
+
+
+@pytest.mark.parametrize("version", VERSIONS, ids=["v4", "v41"])
+def test_the_recipes_rendering_of_calls_is_accepted(ckpt, tok, compiler, version):
+    """Arguments in schema order: the grammar writes properties in that order."""
+    chat = chat_for(ckpt, tok, version)
+    calls = [{"name": "get_weather", "arguments": {"city": 'Pa"ris</b>\n', "days": 3,
+                                                   "unit": "c", "tags": ["ab"]}},
+             {"name": "flag", "arguments": {}}]
+    reply = rendered_reply(chat, calls)
+    so = chat.call_grammar(USER, forced(), Thinking(False))
+    state = compiler.matcher(compiler.compile(so))
+    assert all(state.accept(t) for t in chat.tokenizer.encode(reply))
+    assert state.accept(tok.convert_tokens_to_ids(EOS)) and state.terminated
+
+
+def random_walk(compiler, grammar, tok, rng, markers: list[int], limit=4000) -> list[int]:
+    """Tokens drawn uniformly from what the grammar allows (the marker tokens favoured, so
+    the walks end), until the grammar completes."""
+    state, out = compiler.matcher(grammar), []
+    bitmask = torch.zeros(1, -(-len(tok) // 32), dtype=torch.int32)
+    eos = tok.convert_tokens_to_ids(EOS)
+    while not state.terminated:
+        assert len(out) < limit
+        bitmask.zero_()
+        state.fill(bitmask, 0)
+        bits = ((bitmask[0, :, None] >> torch.arange(32)) & 1).flatten()[:len(tok)]
+        allowed = bits.nonzero().flatten().tolist()
+        favoured = [t for t in markers if t in allowed]
+        t = eos if eos in allowed else favoured[0] if favoured and rng.random() < 0.6 \
+            else rng.choice(allowed)
+        assert state.accept(t)
+        out.append(t)
+    return out
+
+
+@pytest.mark.parametrize("version", VERSIONS, ids=["v4", "v41"])
+@pytest.mark.parametrize("choice, parallel", [("required", True), ("named", False)])
+def test_every_output_parses_into_calls_that_validate(ckpt, tok, compiler, version, choice,
+                                                      parallel):
+    chat = chat_for(ckpt, tok, version)
+    tc = {"type": "function", "function": {"name": "get_weather"}} if choice == "named" \
+        else "required"
+    req = forced(tc, parallel=parallel)
+    grammar = compiler.compile(chat.call_grammar(USER, req, Thinking(False)))
+    conv = chat.convert(USER, req, Thinking(False))
+    dsml = tok.convert_tokens_to_ids(dr.SpecialToken.Dsml.default_str())
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    rng = random.Random(0)
+    for _ in range(6):
+        ids = random_walk(compiler, grammar, tok, rng, [dsml])
+        out = chat.parse(conv, ids, "r", limit=None if parallel else 1)
+        assert out.calls and out.content == ""
+        assert len(out.calls) == 1 or parallel
+        for c in out.calls:
+            assert choice != "named" or c.name == "get_weather"
+            jsonschema.validate(json.loads(c.arguments_json), schemas[c.name])
+
+
+def test_a_schema_the_grammar_cannot_express_names_the_tool(ckpt, tok):
+    chat = chat_for(ckpt, tok, VERSIONS[0])
+    odd = {"type": "function", "function": {"name": "odd", "parameters": {
+        "type": "object", "minProperties": 1, "properties": {"a": {"type": "string"}}}}}
+    with pytest.raises(RequestError) as e:
+        chat.call_grammar(USER, forced(tools=[WEATHER, odd]), Thinking(False))
+    assert e.value.field == "tools[1].function.parameters"
