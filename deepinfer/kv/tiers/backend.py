@@ -86,6 +86,14 @@ class LoadStats:
         """Effective load throughput: bytes read over the whole wait (0 without a load)."""
         return sum(self.bytes_by_tier.values()) / self.seconds / 1e9 if self.seconds else 0.0
 
+    def to_dict(self) -> dict[str, float | dict[str, float] | dict[str, int]]:
+        """The tiers that were read from only (a response's ``usage.kv_load``)."""
+        read = [t for t, n in self.bytes_by_tier.items() if n]
+        return {"seconds": self.seconds,
+                "seconds_by_tier": {t: self.seconds_by_tier[t] for t in read},
+                "bytes_by_tier": {t: self.bytes_by_tier[t] for t in read},
+                "gb_per_s": self.gb_per_s}
+
 
 class TierBackend(ABC):
     """Data movement between tiers.
