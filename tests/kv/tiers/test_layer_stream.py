@@ -118,20 +118,21 @@ def forward_first(monkeypatch):
     return setup
 
 
-def run(tiny_llama, disk, p, stream):
+def run(tiny_llama, disk, p, stream, tail=(7, 8, 9)):
     llm = make(tiny_llama, disk, kv_stream_layers=stream)
-    out = llm.generate(p + [7, 8, 9], GREEDY)[0]
+    out = llm.generate(p + list(tail), GREEDY)[0]
     st = llm.engine.tiers.stats() | llm.engine.stats()
     llm.engine.shutdown()
     return out, st
 
 
+@pytest.mark.parametrize("tail", [(7, 8, 9), ()])  # (): one token left, run as a decode row
 def test_a_streamed_hit_gives_the_tokens_of_a_whole_page_load(tiny_llama, tmp_path, on_disk,
-                                                              forward_first):
+                                                              forward_first, tail):
     p, _ = on_disk
-    whole, st_whole = run(tiny_llama, tmp_path, p, stream=False)
+    whole, st_whole = run(tiny_llama, tmp_path, p, stream=False, tail=tail)
     forward_first(at=26)  # layer 1's first read: layer 0 computed meanwhile
-    streamed, st = run(tiny_llama, tmp_path, p, stream=True)
+    streamed, st = run(tiny_llama, tmp_path, p, stream=True, tail=tail)
     assert st["disk_pages_streamed"] == 25 and st_whole["disk_pages_streamed"] == 0
     assert st["cache_streamed_loads_total"] == 1 and st["cache_streamed_rewinds_total"] == 0
     assert streamed.token_ids == whole.token_ids
