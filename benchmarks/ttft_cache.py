@@ -6,8 +6,9 @@ cached answers its first token from L1, from L2, from L3 with its files in the O
 and from L3 cold (the files dropped from the page cache with ``posix_fadvise(DONTNEED)``), the
 L3 cases in a fresh process each; next to (a) the cold prefill of the same prompt and (b) the
 bound: a plain sequential read of the same files (page-cached, and cold) plus the prefill of
-the uncached tail (the L1 TTFT stands for it). Every TTFT uses a fresh tail, so no case hits
-another's tail pages. llama.cpp's RAM cache is not measured here.
+the uncached tail (the L1 TTFT stands for it). Both L3 cases also run with layer-wise loads
+(``--kv-stream-layers``), alternating with the whole-page ones. Every TTFT uses a fresh tail, so
+no case hits another's tail pages. llama.cpp's RAM cache is not measured here.
 
     python benchmarks/ttft_cache.py [--model PATH] [--sizes 2000,4000,8000] [--hits 0.96,0.99]
         [--codecs lossless,fp8,fp4] [--out results/ttft_cache]
@@ -39,9 +40,10 @@ import json, sys
 sys.path.insert(0, {repo!r})
 from deepinfer.llm import LLM
 from deepinfer.sampling_params import SamplingParams
-model, disk, codec, pfile = sys.argv[1:5]
+model, disk, codec, pfile, stream = sys.argv[1:6]
 m = LLM(model or None, progress=False, num_pages={num_pages}, max_num_batched_tokens={chunk},
-        host_cache_gb=0, kv_codec_disk=codec, enable_disk_cache=True, disk_cache_dir=disk)
+        host_cache_gb=0, kv_codec_disk=codec, enable_disk_cache=True, disk_cache_dir=disk,
+        kv_stream_layers=stream == "1")
 one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 m.generate(list(range(1000, 1000 + {tail})), one)  # warm-up: the tail's shapes, shares nothing
 out = m.generate(json.load(open(pfile)), one)[0]
@@ -67,12 +69,12 @@ def read_all(paths: list[str]) -> float:
 
 
 def l3_child(model, disk: Path, codec: str, prompt: list[int], tail: int, num_pages: int,
-             work: Path) -> dict:
+             work: Path, stream: bool) -> dict:
     pfile = work / "prompt.json"
     pfile.write_text(json.dumps(prompt))
     child = _CHILD.format(repo=str(REPO), num_pages=num_pages, chunk=CHUNK, tail=tail)
-    out = subprocess.run([sys.executable, "-c", child, model or "", str(disk), codec, str(pfile)],
-                         capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-c", child, model or "", str(disk), codec, str(pfile),
+                          "1" if stream else "0"], capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -81,7 +83,7 @@ def one_case(model, codec: str, n: int, hit: float, work: Path) -> dict:
     vocab, ps = m.engine.hf_config.vocab_size, m.engine.config.page_size
     del m
     base = random_ids(int(n * hit) // ps * ps, vocab, seed=n)
-    tails = [random_ids(n - len(base), vocab, seed=100 + i) for i in range(5)]
+    tails = [random_ids(n - len(base), vocab, seed=100 + i) for i in range(7)]
     disk = work / f"l3-{codec}-{n}-{hit}"
     num_pages = n // ps * 4 + 64
     m = llm(model, num_pages=num_pages, max_num_batched_tokens=CHUNK, host_cache_gb=4.0,
@@ -109,10 +111,14 @@ def one_case(model, codec: str, n: int, hit: float, work: Path) -> dict:
     drop_page_cache(files)
     row["raw_read_cold"] = read_all(files)
     read_all(files)  # back in the page cache
-    for case, tail in (("l3_cached", tails[3]), ("l3_cold", tails[4])):
-        if case == "l3_cold":
+    cases = (("l3_cached", tails[3], False), ("l3_cached_layers", tails[5], True),
+             ("l3_cold", tails[4], False), ("l3_cold_layers", tails[6], True))
+    for case, tail, stream in cases:  # whole-page and layer-wise loads, alternating
+        if "cold" in case:
             drop_page_cache(files)
-        r = l3_child(model, disk, codec, base + tail, len(tail), num_pages, work)
+        else:
+            read_all(files)
+        r = l3_child(model, disk, codec, base + tail, len(tail), num_pages, work, stream)
         assert r["by_tier"]["disk"] == len(base), r
         row[case] = r["ttft"]
         row[f"{case}_load_seconds"] = r["load_seconds"]
@@ -122,15 +128,18 @@ def one_case(model, codec: str, n: int, hit: float, work: Path) -> dict:
         row[f"l3_{state}_vs_bound"] = row[f"l3_{state}"] / row[f"bound_{state}"]
         row[f"load_vs_raw_{state}"] = row[f"raw_read_{state}"] / row[f"l3_{state}_load_seconds"]
         row[f"speedup_l3_{state}"] = row["cold"] / row[f"l3_{state}"]
+        row[f"layers_vs_whole_{state}"] = row[f"l3_{state}_layers"] / row[f"l3_{state}"]
     print(json.dumps(row), flush=True)
     return row
 
 
 def markdown(rows: list[dict], cpu: str) -> str:
     head = ("| codec | prompt | hit | cold | L1 | L2 | L3 cached | L3 cold | bound cached | "
-            "bound cold | L3 cold speed-up | L3 load / raw read (cached, cold) |")
+            "bound cold | L3 cold speed-up | L3 load / raw read (cached, cold) | "
+            "layer-wise L3 cached, cold (x whole-page) |")
     lines = [f"CPU: {cpu}. TTFT in seconds; bound = raw read of the same files + the L1 TTFT "
-             "(tail prefill); L3 cases each in a fresh process.", "", head,
+             "(tail prefill); L3 cases each in a fresh process; layer-wise: "
+             "`--kv-stream-layers`.", "", head,
              "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         hit = r["cached_tokens"] / r["prompt_tokens"]
@@ -138,7 +147,9 @@ def markdown(rows: list[dict], cpu: str) -> str:
             f"| {r['codec']} | {r['prompt_tokens']} | {hit:.1%} | {r['cold']:.2f} | {r['l1']:.3f} | "
             f"{r['l2']:.3f} | {r['l3_cached']:.3f} | {r['l3_cold']:.3f} | {r['bound_cached']:.3f} | "
             f"{r['bound_cold']:.3f} | {r['speedup_l3_cold']:.1f}x | "
-            f"{r['load_vs_raw_cached']:.2f}x, {r['load_vs_raw_cold']:.2f}x |")
+            f"{r['load_vs_raw_cached']:.2f}x, {r['load_vs_raw_cold']:.2f}x | "
+            f"{r['l3_cached_layers']:.3f} ({r['layers_vs_whole_cached']:.2f}x), "
+            f"{r['l3_cold_layers']:.3f} ({r['layers_vs_whole_cold']:.2f}x) |")
     return "\n".join(lines) + "\n"
 
 

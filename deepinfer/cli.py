@@ -85,6 +85,8 @@ def add_tier_args(p: argparse.ArgumentParser) -> None:
     t.add_argument("--kv-idle-promote-mb", type=float, default=d.kv_idle_promote_mb,
                    help="server: while idle, promote recent conversations' L3 pages to L2, at "
                         "most this many MiB per idle period (0, the default: off)")
+    t.add_argument("--kv-stream-layers", action="store_true",
+                   help="L3 hits load layer by layer, their prefill computing layer i as i+1 loads")
     t.add_argument("--kv-store", default=None, metavar="URL",
                    help="networked L3 shared by engines, behind the local directory: "
                         "mooncake://MASTER_HOST:PORT or redis://HOST:PORT[/DB]")
@@ -150,7 +152,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         kv_codec_host=args.kv_codec_host, kv_codec_disk=args.kv_codec_disk,
         kv_store_secret=args.kv_store_secret or None,
         cache_policy=args.cache_policy, selective_hits=args.selective_hits,
-        kv_idle_promote_mb=args.kv_idle_promote_mb,
+        kv_idle_promote_mb=args.kv_idle_promote_mb, kv_stream_layers=args.kv_stream_layers,
         kv_store=args.kv_store, kv_store_options=parse_store_options(args.kv_store_option),
         speculative_config=speculative_config(args))
 

@@ -58,6 +58,9 @@ class EngineConfig:
     # While idle (server), promote the L3-only pages of recent conversations to L2, at most this
     # many MiB per idle period (kv/tiers/promotion.py); 0 = off (the default)
     kv_idle_promote_mb: float = 0.0
+    # L3 hits load layer by layer and their prefill starts at once, layer i waiting for its KV
+    # (kv/tiers/layer_stream.py); not with overlap_schedule or speculative decoding
+    kv_stream_layers: bool = False
     speculative_config: SpeculativeConfig | None = None  # None: no speculative decoding
     # overlap.py: the engine schedules step N+1 and lands N-1 while N's forward runs on a worker
     # thread; outputs are identical either way

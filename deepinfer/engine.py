@@ -263,7 +263,7 @@ class LLMEngine:
                     prefilled.append(self.requests.pop(req.request_id, req))
             except Exception as e:  # noqa: BLE001
                 self.scheduler.fail(req, e)
-        rows = [i for i, r in enumerate(sampled) if not r.is_finished]
+        rows = [i for i, r in enumerate(sampled) if not (r.is_finished or self.kv.take_rewound(r))]
         if not rows:
             return prefilled
         if len(rows) < len(sampled):

@@ -15,8 +15,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from .kv.tiers.layer_stream import LayerLoads
 
 
 class Workspace:
@@ -62,12 +66,18 @@ class ForwardBatch:
     decode_kv_lo: torch.Tensor | None = None  # [B] keys below are masked
     window_view: ForwardBatch | None = None  # what the window-group layers read (ring pages)
     window_layers: frozenset[int] = frozenset()
+    # layer-wise loads of the prefills' cached KV (kv/tiers/layer_stream.py): layer i waits
+    # for their layer i
+    layer_loads: tuple[LayerLoads, ...] = ()
     workspace: Workspace = field(default_factory=Workspace, repr=False)
     _masks: dict = field(default_factory=dict, repr=False)
     _rows: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
 
     def for_layer(self, i: int) -> ForwardBatch:
-        """The batch layer ``i`` reads: the ring view for window-group layers, else this one."""
+        """The batch layer ``i`` reads: the ring view for window-group layers, else this one;
+        returns once the layer-wise loads have layer ``i``'s KV in place."""
+        for loads in self.layer_loads:
+            loads.wait(i)
         if self.window_view is not None and i in self.window_layers:
             return self.window_view
         return self

@@ -139,6 +139,8 @@ class ModelRunner:
             decode_kv_lens=None if decode_lens is None else decode_lens.to(dev),
             prefills=segments,
             logits_indices=torch.tensor(logit_idx, device=dev, dtype=torch.long),
+            layer_loads=tuple(r.kv_load.layers for r, _ in items  # (a 1-token tail is a "decode")
+                              if r.kv_load is not None and r.kv_load.layers is not None),
             workspace=self.workspace,
         )
         if self.window is not None:

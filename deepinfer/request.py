@@ -48,6 +48,7 @@ class Request:
     # lower KV tiers (see kv/cache_manager.py)
     kv_load: LoadJob | None = None  # bringing the L2/L3 part of the cached prefix back to L1
     kv_prefetched: bool = False  # the lookup for this admission attempt was done
+    kv_rewound: bool = False  # its last step ran on streamed pages that failed their check
     kv_hit_counted: bool = False  # radix hit counts (selective policy) count a request once
     load_stats: LoadStats = field(default_factory=LoadStats)  # its loads from L2/L3
     # accounting (set when first scheduled; a preempted request keeps its first numbers)

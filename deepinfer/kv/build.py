@@ -127,7 +127,9 @@ def build_cache_manager(config: EngineConfig, device_kv: DeviceKV, model_identit
     policy = TierPolicy(c.cache_policy, c.selective_hits, int(c.kv_idle_promote_mb * 2**20))
     window = device_kv.window
     if window is None:
-        return KVCacheManager(*args, tiers=tiers, policy=policy, max_loads=2 * c.max_num_seqs)
+        stream = c.kv_stream_layers and not c.overlap_schedule and c.speculative_config is None
+        return KVCacheManager(*args, tiers=tiers, policy=policy, max_loads=2 * c.max_num_seqs,
+                              stream_layers=stream)
     layout = window.layout
     interval = layout.window if c.window_snapshot_interval is None else c.window_snapshot_interval
     interval = cdiv(interval, c.page_size) * c.page_size if interval else 0

@@ -24,41 +24,30 @@ instead of computing the same KV a second time; a request sharing nothing never 
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
 
 from ..request import Request
 from .hashing import chain_hashes, root_hash
 from .pool import PageAllocator
 from .radix import DEVICE, DISK, HOST, NUM_TIERS, TIER_NAMES, Node, RadixTree
-from .tiers.backend import LoadJob, LoadStats, TierBackend
-from .tiers.page_store import LOCAL, PREFILL_WORKER, STORE
+from .cache_stats import CacheStats
+from .tier_loads import TierLoads
+from .tiers.backend import LoadJob, TierBackend
+from .tiers.page_store import PREFILL_WORKER, STORE
 from .tiers.policy import TierManager, TierPolicy
 
 
-@dataclass
-class CacheStats:
-    query_tokens: int = 0  # prompt tokens looked up (vLLM's prefix_cache_queries)
-    hit_tokens: int = 0  # of which served from cache (vLLM's prefix_cache_hits)
-    evicted_pages: int = 0  # pages evicted from L1
-    preemptions: int = 0
-    computed_prompt_tokens: int = 0  # prompt tokens prefilled (recomputed ones included)
-    hit_tokens_by_tier: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIER_NAMES, 0))
-    loads: int = 0  # finished loads from L2/L3 applied to a request
-    loaded_pages: int = 0
-    load_seconds: float = 0.0  # sum over loads of (queued -> data ready)
-    load_seconds_max: float = 0.0
-    load_failures: int = 0  # loads cut short by a page that could not be read
-    load: LoadStats = field(default_factory=LoadStats)  # all loads: seconds and bytes by tier
-
-
-class KVCacheManager:
+class KVCacheManager(TierLoads):
     max_chunk_tokens: int | None = None  # cap on one sequence's prefill chunk (None: none)
 
     def __init__(self, allocator: PageAllocator, page_size: int, model_identity: str,
                  enable_prefix_cache: bool = True, max_node_pages: int = 64,
                  tiers: TierBackend | None = None, policy: TierPolicy | None = None,
-                 max_loads: int = 64) -> None:
+                 max_loads: int = 64, stream_layers: bool = False) -> None:
+        """``stream_layers``: L3 hits load layer by layer, their prefill waiting per layer
+        (``tiers/layer_stream.py``); not with overlap scheduling or speculative decoding,
+        whose next step is planned before a rewind could happen."""
         self.allocator = allocator
+        self.stream_layers = stream_layers
         self.page_size = page_size
         self.model_identity = model_identity
         self.tree = RadixTree(page_size, max_node_pages) if enable_prefix_cache else None
@@ -92,57 +81,7 @@ class KVCacheManager:
         self.update_hashes(req, tokens)
         return req.page_hashes[: (len(tokens) - 1) // self.page_size]
 
-    # ------------------------------------------------------------------ lower tiers
-    def prefetch(self, req: Request) -> bool:
-        """Start loading the part of ``req``'s cached prefix that only L2/L3 hold.
-
-        Called when the request is queued and again by the scheduler while it waits. Returns
-        True while the request must wait (its load is running, or too many loads are).
-        """
-        if self.tiers is None:
-            return False
-        if req.kv_load is not None:
-            return not req.kv_load.done
-        if req.kv_prefetched:
-            return False
-        return self._start_load(req, force=False)
-
-    def _start_load(self, req: Request, force: bool) -> bool:
-        assert self.tiers is not None and self.tree is not None
-        hashes = self._lookup_hashes(req)
-        m = self.tree.match(hashes, count_hit=not req.kv_hit_counted)
-        req.kv_hit_counted = True
-        self.tiers.after_hit(m.path)
-        job = self.tiers.plan(hashes, m.path, req.all_token_ids)
-        if job is None:
-            req.kv_prefetched = True
-            return False
-        busy = len(self._jobs) >= self.max_loads or self._load_pages >= self.allocator.num_pages // 2
-        if busy and not force:
-            return True
-        req.kv_prefetched = True
-        self.tree.lock(job.locked)  # keeps the L1 prefix and the L2 slots being read in place
-        need = len(job.sources) + len(job.probe)
-        self.ensure_free(need)
-        n = min(need, self.allocator.num_free)  # L1 full of locked pages: load what fits
-        if n == 0:
-            self.tree.unlock(job.locked)
-            return False
-        job.truncate(n)
-        job.dest = self.allocator.alloc(n)
-        self._load_pages += n
-        self._jobs.add(job)
-        req.kv_load = job
-        self.tiers.backend.start_load(job)
-        return not job.done
-
-    def loads_in_flight(self) -> bool:
-        return any(not j.done for j in self._jobs) or bool(self._orphans)
-
-    def wait_for_loads(self, timeout: float) -> None:
-        if self.tiers is not None:
-            self.tiers.backend.wait(timeout)
-
+    # ------------------------------------------------------------------ housekeeping
     def poll(self) -> None:
         """Main-thread housekeeping (each step): forget failed L3 writes, drop loads nobody
         wants, finish promotions (and end an idle period)."""
@@ -156,56 +95,6 @@ class KVCacheManager:
             self._orphans = [j for j in self._orphans if not j.done]
             for job in done:
                 self._drop_job(job)
-
-    def _drop_job(self, job: LoadJob) -> None:
-        """Forget a finished load: its L1 pages not adopted go back to the allocator."""
-        assert self.tiers is not None and self.tree is not None
-        self.allocator.free(job.dest)
-        self._load_pages -= len(job.dest)
-        job.dest = []
-        self.tree.unlock(job.locked)
-        self._jobs.discard(job)
-
-    def _apply_load(self, req: Request) -> tuple[list[int], Counter[str]]:
-        """Adopt a finished load's pages (already in L1) into the tree; returns pages adopted
-        per source tier, and per origin (``tiers/page_store.py``)."""
-        assert self.tiers is not None and self.tree is not None
-        job = req.kv_load
-        assert job is not None and job.done
-        req.kv_load = None
-        adopted = [0] * NUM_TIERS
-        origins: Counter[str] = Counter()
-        n = job.num_loaded
-        if n:
-            pages, job.dest = job.dest[:n], job.dest[n:]  # the rest is freed with the job
-            self._load_pages -= n
-            self.tiers.backend.finish_load(job, n)
-            end = job.start + n
-            tokens = req.all_token_ids
-            m, kept = self.tree.insert(req.page_hashes[:end], tokens[: end * self.page_size],
-                                       DEVICE, job.prefix_pages + pages)
-            for i, p in enumerate(pages):
-                if kept[job.start + i] == p:
-                    adopted[job.page_tiers[i]] += 1
-                    origins[job.page_origins[i] if i < len(job.page_origins) else LOCAL] += 1
-                else:  # someone brought this page back meanwhile: keep theirs
-                    self.allocator.free([p])
-            if job.probe:
-                self.tiers.adopted_disk_records(m.path, job, end)
-            self.tiers.after_insert(m.path)
-        self._drop_job(job)
-        s = self.stats
-        s.loads += 1
-        s.loaded_pages += n
-        s.load_seconds += job.seconds
-        s.load_seconds_max = max(s.load_seconds_max, job.seconds)
-        s.load.add(job)
-        req.load_stats.add(job)
-        if job.failed_at is not None:
-            s.load_failures += 1
-            if job.failed_at < len(job.sources) and job.sources[job.failed_at][0] == DISK:
-                self.tiers.forget_disk(job.source_nodes[job.failed_at])
-        return adopted, origins
 
     # ------------------------------------------------------------------ shared prefixes in flight
     def joins_computing(self, req: Request) -> bool:
@@ -257,7 +146,7 @@ class KVCacheManager:
             if self.tiers is not None:
                 if req.kv_load is None and not req.kv_prefetched:
                     self._start_load(req, force=True)
-                if req.kv_load is not None:
+                if req.kv_load is not None and not self._streams(req):
                     while not req.kv_load.done:
                         self.tiers.backend.wait(0.05)
                     adopted, origins = self._apply_load(req)
@@ -274,8 +163,12 @@ class KVCacheManager:
             if last is not None:
                 self.tree.lock(last)
             req.locked_node = last
-            req.pages = pages
             req.num_tree_pages = len(pages)
+            if req.kv_load is not None:  # a layer-wise load: its pages are the request's for now
+                assert req.kv_load.start == len(pages)
+                pages = pages + req.kv_load.dest
+                adopted[DISK] = len(req.kv_load.dest)
+            req.pages = pages
             matched = len(pages) * self.page_size
         req.kv_prefetched = False
         req.num_computed_tokens = matched
@@ -328,8 +221,11 @@ class KVCacheManager:
         step in flight still writes the rest, see ``overlap.py``)."""
         if self.tree is None:
             return
+        streamed = self._end_stream(req) if req.kv_load is not None else None
         full = (req.num_computed_tokens if num_tokens is None else num_tokens) // self.page_size
         if full <= req.num_tree_pages:
+            if streamed is not None:
+                self._drop_job(streamed)
             return
         ps, own = self.page_size, req.num_tree_pages
         tokens = req.all_token_ids
@@ -346,6 +242,12 @@ class KVCacheManager:
         req.locked_node = m.last
         self._unregister_computing(req, req.page_hashes[own:full])
         req.num_tree_pages = full
+        if streamed is not None:  # L3 records of the probed pages, then drop the job's lock
+            assert self.tiers is not None
+            if streamed.probe:
+                path = self.tree.match(req.page_hashes[:full], touch=False, count_hit=False).path
+                self.tiers.adopted_disk_records(path, streamed, streamed.start + streamed.num_loaded)
+            self._drop_job(streamed)
         if self.tiers is not None:
             self.tiers.after_insert(m.path)
 
@@ -384,6 +286,8 @@ class KVCacheManager:
         if req.kv_load is not None:  # still loading (or loaded, not applied): nobody wants it
             job, req.kv_load = req.kv_load, None
             job.cancelled = True
+            own = set(job.dest)  # a layer-wise load's pages: freed with the job, once it ends
+            req.pages = [p for i, p in enumerate(req.pages) if i < req.num_tree_pages or p not in own]
             if job.done:
                 self._drop_job(job)
             else:

@@ -68,7 +68,8 @@ def account(live: Live, reason: str, metrics: ServerMetrics, page_size: int) -> 
                   {k: v for k, v in req.cached_tokens_by_tier.items() if v},
                   creation_tokens(live.breakpoints, page_size, n_prompt, hit), live.sub.prefill,
                   req.store_cached_tokens, req.prefill_worker_cached_tokens,
-                  req.spec if req.spec.source else None)
+                  req.spec if req.spec.source else None,
+                  req.load_stats if req.load_stats.seconds else None)
     m.finished[reason] = m.finished.get(reason, 0) + 1
     m.prompt_tokens += n_prompt if req.sample_index == 0 else 0  # samples share the prompt
     m.generation_tokens += usage.completion_tokens

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from ..kv.tiers.backend import LoadStats
 from ..spec.counters import SpecCounters
 from .prompts import BuiltPrompt
 from .protocol import APIError, ParsedRequest
@@ -22,6 +23,7 @@ class Usage:
     store_cached_tokens: int = 0  # of the disk tier's, those the networked store served
     prefill_worker_cached_tokens: int = 0  # of the disk tier's, those a prefill worker sent
     speculative: SpecCounters | None = None  # a request that ran with speculative decoding
+    kv_load: LoadStats | None = None  # its prompt's loads from L2/L3 (None: nothing loaded)
 
     def to_dict(self) -> dict:
         hit = self.cached_tokens
@@ -41,6 +43,8 @@ class Usage:
             out["prefill_worker"] = dict(self.prefill_worker)
         if self.speculative is not None:
             out["speculative"] = self.speculative.to_dict()
+        if self.kv_load is not None:
+            out["kv_load"] = self.kv_load.to_dict()
         return out
 
 

@@ -185,11 +185,16 @@ def test_metrics_show_a_restarted_servers_l3_load(tiny_llama, tmp_path):
     try:
         r = httpx.post(srv.url + "/v1/completions", timeout=60,
                        json={"model": srv.server_obj.model_name, "prompt": prompt, "max_tokens": 1})
-        assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens_by_tier"] == {"disk": 60}
+        usage = r.json()["usage"]
         text = httpx.get(srv.url + "/metrics").text
     finally:
         srv.stop()
     page = srv.async_engine.engine.tiers.disk_page_nbytes
+    assert usage["prompt_tokens_details"]["cached_tokens_by_tier"] == {"disk": 60}
+    load = usage["kv_load"]  # this request's own load: 15 pages read from L3
+    assert load["bytes_by_tier"] == {"disk": 15 * page} and set(load["seconds_by_tier"]) == {"disk"}
+    assert 0 < load["seconds_by_tier"]["disk"] <= load["seconds"]
+    assert load["gb_per_s"] == pytest.approx(15 * page / load["seconds"] / 1e9)
     assert f'deepinfer:kv_load_bytes_by_tier_total{{model_name="{srv.server_obj.model_name}",' \
            f'tier="disk"}} {15 * page}' in text
     assert "deepinfer:kv_load_seconds_count" in text

@@ -19,6 +19,7 @@ import torch
 from ..hashing import disk_key
 from ..radix import NUM_TIERS, TIER_NAMES, Node
 from .disk_file import PageId
+from .layer_stream import LayerLoads
 
 DiskKey = str | bytes  # an L3 key (``disk_key``; the planner uses the page hash itself)
 PageSource = tuple[int, int | DiskKey]  # (tier, L2 slot or L3 key) of a page to load
@@ -39,6 +40,8 @@ class LoadJob:
     probe_ids: list[PageId] = field(default_factory=list)
     t_start: float = field(default_factory=time.perf_counter)
     dest: list[int] = field(default_factory=list)
+    # per layer, whether its KV is in place: a layer-wise load (``TierBackend.stream_layers``)
+    layers: LayerLoads | None = None
     # set by the backend
     done: bool = False
     cancelled: bool = False
@@ -85,6 +88,14 @@ class LoadStats:
     def gb_per_s(self) -> float:
         """Effective load throughput: bytes read over the whole wait (0 without a load)."""
         return sum(self.bytes_by_tier.values()) / self.seconds / 1e9 if self.seconds else 0.0
+
+    def to_dict(self) -> dict[str, float | dict[str, float] | dict[str, int]]:
+        """The tiers that were read from only (a response's ``usage.kv_load``)."""
+        read = [t for t, n in self.bytes_by_tier.items() if n]
+        return {"seconds": self.seconds,
+                "seconds_by_tier": {t: self.seconds_by_tier[t] for t in read},
+                "bytes_by_tier": {t: self.bytes_by_tier[t] for t in read},
+                "gb_per_s": self.gb_per_s}
 
 
 class TierBackend(ABC):
@@ -147,6 +158,11 @@ class TierBackend(ABC):
     @abstractmethod
     def start_load(self, job: LoadJob) -> None:
         """Begin filling ``job.dest`` (``job.done`` once the data is in place)."""
+
+    def stream_layers(self, job: LoadJob) -> bool:
+        """Make ``job`` (not started) a layer-wise load if this backend can run it as one:
+        every page from L3 files, into a CPU pool (``layer_stream.py``)."""
+        return False
 
     def finish_load(self, job: LoadJob, n: int) -> None:
         """The first ``n`` loaded pages of ``job`` were adopted: count their moves."""

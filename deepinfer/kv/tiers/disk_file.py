@@ -32,6 +32,7 @@ import zlib
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import xxhash
 
@@ -59,6 +60,25 @@ def page_id(page_hash: bytes, tokens: Sequence[int] | None = None) -> PageId:
     h = hashlib.blake2b(digest_size=16, person=b"deepinfer-toks")
     h.update(array("q", tokens).tobytes())
     return PageId(page_hash, h.digest())
+
+
+class TagHasher(Protocol):
+    def update(self, data: bytes | memoryview, /) -> None: ...
+
+    def digest(self) -> bytes: ...
+
+
+class _Crc32:
+    """zlib's CRC-32 as a ``TagHasher`` (the tag of older files)."""
+
+    def __init__(self) -> None:
+        self.crc = 0
+
+    def update(self, data: bytes | memoryview, /) -> None:
+        self.crc = zlib.crc32(data, self.crc)
+
+    def digest(self) -> bytes:
+        return self.crc.to_bytes(4, "little")
 
 
 class BadFile(Exception):
@@ -161,21 +181,43 @@ class PageFormat:
             if off == hint and header["payload_len"] == want and header["tag_alg"] == self.tag_alg:
                 self._check(header, [memoryview(head), *dest], tag, expect)
                 return got, want
+        header, head, size = self.read_head(fd, key, want)
+        off = len(head)
+        tag = bytearray(_TAG_BYTES[header["tag_alg"]])
+        if os.preadv(fd, [*dest, tag], off) != want + len(tag):
+            raise BadFile("corrupt", "short read (truncated meanwhile?)")
+        self._check(header, [head, *dest], tag, expect)
+        self._head_hint = off
+        return size, want
+
+    def read_head(self, fd: int, key: str, payload_len: int) -> tuple[dict, memoryview, int]:
+        """The header of the open file ``fd``, whose payload must be ``payload_len`` bytes (else
+        a "foreign" miss): -> (header, the bytes before the payload, the file's size). Raises
+        BadFile or OSError."""
         size = os.fstat(fd).st_size
         head = os.pread(fd, min(size, HEAD_READ), 0)
         if len(head) >= PREFIX.size and PREFIX.size + PREFIX.unpack_from(head)[2] > len(head):
             head = os.pread(fd, min(size, PREFIX.size + MAX_HEADER), 0)  # a long header
         header, off = self.parse_header(key, head)
-        tag = bytearray(_TAG_BYTES[header["tag_alg"]])
-        if off + header["payload_len"] + len(tag) != size:
+        if off + header["payload_len"] + _TAG_BYTES[header["tag_alg"]] != size:
             raise BadFile("corrupt", "length mismatch (truncated?)")
-        if header["payload_len"] != want:  # the reader's layout, not the file, differs
-            raise BadFile("foreign", f"payload of {header['payload_len']} bytes, {want} expected")
-        if os.preadv(fd, [*dest, tag], off) != want + len(tag):
-            raise BadFile("corrupt", "short read (truncated meanwhile?)")
-        self._check(header, [memoryview(head)[:off], *dest], tag, expect)
-        self._head_hint = off
-        return size, want
+        if header["payload_len"] != payload_len:  # the reader's layout, not the file, differs
+            raise BadFile("foreign", f"payload of {header['payload_len']} bytes, {payload_len} expected")
+        return header, memoryview(head)[:off], size
+
+    def hasher(self, alg: str) -> TagHasher:
+        """An incremental tag of algorithm ``alg``: update with every part before the tag, in
+        file order, then ``check`` it (a file read in pieces: ``layer_stream.py``)."""
+        if alg == KEYED:
+            if self.secret is None:
+                raise BadFile("foreign", "keyed file, and this store has no secret")
+            return hashlib.blake2b(key=self.secret, digest_size=32, person=b"deepinfer-l3")
+        return xxhash.xxh3_128() if alg == XXH3 else _Crc32()
+
+    def check(self, header: dict, digest: bytes, tag: bytes | memoryview,
+              expect: PageId | None) -> None:
+        """``_check`` of a tag computed by ``hasher``. Raises BadFile."""
+        self._check(header, [], tag, expect, digest)
 
     def _parse_hinted(self, key: str, head: bytearray) -> tuple[dict, int]:
         """``parse_header`` of a guessed header length: ({}, 0) where the guess was wrong."""
@@ -185,12 +227,15 @@ class PageFormat:
             return {}, 0
 
     def _check(self, header: dict, parts: Sequence[bytes | memoryview], tag: bytes | memoryview,
-               expect: PageId | None) -> None:
-        """The tag over ``parts`` (everything before it), then namespace and page binding."""
+               expect: PageId | None, digest: bytes | None = None) -> None:
+        """The tag over ``parts`` (everything before it; or its ``digest``, computed by the
+        caller), then namespace and page binding."""
         alg = header["tag_alg"]
         if alg == KEYED and self.secret is None:
             raise BadFile("foreign", "keyed file, and this store has no secret")
-        if not hmac.compare_digest(self.tag(*parts, alg=alg), bytes(tag)):
+        if digest is None:
+            digest = self.tag(*parts, alg=alg)
+        if not hmac.compare_digest(digest, bytes(tag)):
             raise BadFile("checksum", "tag mismatch (damaged, or written without the secret)")
         if self.secret is not None and alg != KEYED:
             raise BadFile("foreign", "unkeyed file, and this store requires the secret")
@@ -202,3 +247,8 @@ class PageFormat:
             if expect.tokens_digest is not None and header.get("tokens") is not None \
                     and header["tokens"] != expect.tokens_digest.hex():
                 raise BadFile("mismatch", "the file holds other token ids")
+
+
+def tag_nbytes(alg: str) -> int:
+    """Bytes of a tag of algorithm ``alg`` (a header's ``tag_alg``)."""
+    return _TAG_BYTES[alg]

@@ -31,7 +31,6 @@ import errno
 import logging
 import os
 import re
-import socket
 import threading
 import time
 from collections import OrderedDict
@@ -42,26 +41,15 @@ from .disk_file import BadFile, PageFormat, PageId
 
 __all__ = ["DiskStore"]
 from .page_store import PageStore
+from .tmp_files import stale_tmp, tmp_name
 
 log = logging.getLogger(__name__)
 
 _KEY_RE = re.compile(r"[0-9a-f]{2,256}")
 _FANOUT_RE = re.compile(r"[0-9a-f]{2}")
-_TMP_RE = re.compile(r"\.([0-9a-f]{2,256})\.(.+)\.([0-9]+)\.([0-9]+)\.tmp")  # key, host, pid, tid
 _QUARANTINE = "quarantine"
-_HOST = re.sub(r"[^A-Za-z0-9_-]", "_", socket.gethostname()) or "host"
 _WRITE_ERRORS = {errno.ENOSPC: "no_space", errno.EDQUOT: "no_space", errno.EACCES: "permission",
                  errno.EPERM: "permission", errno.EROFS: "permission"}
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:  # EPERM: it exists, under another user
-        return True
-    return True
 
 
 class DiskStore(PageStore):
@@ -141,7 +129,7 @@ class DiskStore(PageStore):
                     continue
                 if f.name.endswith(".kv") and _KEY_RE.fullmatch(f.name[:-3]):
                     found.append((st.st_mtime, f.name[:-3], st.st_size))
-                elif f.name.endswith(".tmp") and self._stale_tmp(f.name, now - st.st_mtime):
+                elif f.name.endswith(".tmp") and stale_tmp(f.name, now - st.st_mtime, self.tmp_max_age_s):
                     _unlink_quiet(f.path)
                     with self._lock:
                         self._counters["stale_tmp_removed"] += 1
@@ -150,14 +138,6 @@ class DiskStore(PageStore):
             self._index = OrderedDict((k, size) for _, k, size in found)
             self._bytes = sum(self._index.values())
             self._evict_locked(0)
-
-    def _stale_tmp(self, name: str, age_s: float) -> bool:
-        """A temp file nobody will finish: its writer (on this host) is dead, or it is old."""
-        m = _TMP_RE.fullmatch(name)
-        if m is not None and m.group(2) == _HOST:
-            pid = int(m.group(3))
-            return pid != os.getpid() and not _pid_alive(pid)
-        return age_s > self.tmp_max_age_s  # another host's writer (shared directory) or unknown
 
     def rescan(self) -> None:
         """Re-read the directory (e.g. after other processes wrote a lot). Not for the hot path."""
@@ -250,8 +230,7 @@ class DiskStore(PageStore):
         with self._lock:
             self._evict_locked(size)
         final = self._file(key)
-        tmp = os.path.join(os.path.dirname(final),
-                           f".{key}.{_HOST}.{os.getpid()}.{threading.get_ident()}.tmp")
+        tmp = os.path.join(os.path.dirname(final), tmp_name(key))
         try:
             os.makedirs(os.path.dirname(final), exist_ok=True)
             with open(tmp, "wb") as f:
@@ -300,22 +279,39 @@ class DiskStore(PageStore):
         """Like ``get``, but the payload lands in the caller's buffers ``dest`` (e.g. the L1
         page it is a copy of) and is checked there, with no intermediate copy. False (and
         ``dest`` garbage) if absent, bad, another page's or not exactly ``dest``'s size."""
-        self._check_open()
-        self._check_key(key)
-        try:
-            fd = os.open(self._file(key), os.O_RDONLY)
-        except OSError as e:
-            missing = e.errno in (errno.ENOENT, errno.ENOTDIR)
-            self._miss(key, BadFile("missing" if missing else "corrupt", str(e)))
+        fd = self.open_page(key)
+        if fd is None:
             return False
         try:
             size, payload_len = self.format.read_into(fd, key, dest, expect)
-            self._touch(fd)
         except (BadFile, OSError) as e:
-            self._miss(key, e if isinstance(e, BadFile) else BadFile("corrupt", f"unreadable: {e}"))
-            return False
+            return self.close_page(key, fd, e)
+        return self.close_page(key, fd, None, size, payload_len)
+
+    def open_page(self, key: str) -> int | None:
+        """An open file of ``key`` for a read in pieces (``layer_stream.py``; end it with
+        ``close_page``), or None: a counted miss."""
+        self._check_open()
+        self._check_key(key)
+        try:
+            return os.open(self._file(key), os.O_RDONLY)
+        except OSError as e:
+            self._miss(key, BadFile("missing" if e.errno in (errno.ENOENT, errno.ENOTDIR)
+                                    else "corrupt", str(e)))
+            return None
+
+    def close_page(self, key: str, fd: int, error: BadFile | OSError | None, size: int = 0,
+                   payload_len: int = 0) -> bool:
+        """End a read of ``open_page``: a hit of a ``size``-byte file, or the miss ``error``
+        (the file quarantined, as any bad file). -> whether it was a hit."""
+        try:
+            if error is None:
+                self._touch(fd)
         finally:
             os.close(fd)
+        if error is not None:
+            self._miss(key, error if isinstance(error, BadFile) else BadFile("corrupt", f"unreadable: {error}"))
+            return False
         self._hit(key, size, payload_len)
         return True
 

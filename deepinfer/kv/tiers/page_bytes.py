@@ -23,10 +23,18 @@ class KVTransfer(Protocol):
     shapes: list[tuple[int, ...]]  # per owned buffer: one page's shape, [page_size, *per_token]
     dtype: torch.dtype
     device: torch.device
+    # per layer that owns a cache: its owned buffers (consecutive indices into ``shapes``);
+    # per model layer: the group whose KV it reads (its own, or that of the layer it shares)
+    buffer_groups: list[range]
+    layer_group: list[int]
 
     def read_pages(self, pages: list[int]) -> list[torch.Tensor]: ...
 
     def write_pages(self, pages: list[int], data: list[torch.Tensor]) -> None: ...
+
+    def write_buffers(self, buffers: range, pages: list[int], data: list[torch.Tensor]) -> None:
+        """``write_pages`` of some owned buffers only (one layer's, for a layer-wise load)."""
+        ...
 
     def page_views(self, page: int) -> list[memoryview] | None:
         """Writable views of one page's bytes, per owned buffer (in the lossless byte layout),
@@ -47,12 +55,28 @@ class PoolTransfer:
         self._bytes = ([memoryview(b.view(torch.uint8).reshape(-1).numpy()) for b in bufs]
                        if self.device.type == "cpu" and all(b.is_contiguous() for b in bufs) else None)
         self._page_nbytes = [b[0].numel() * b.element_size() for b in bufs]
+        self.buffer_groups, self.layer_group, first = [], [], 0
+        for spec in pool.specs:
+            if spec.owns_cache:
+                self.buffer_groups.append(range(first, first + len(spec.components)))
+                first += len(spec.components)
+            # a sharing layer reads the group of the (earlier) layer it shares
+            shared = spec.share_with
+            self.layer_group.append(len(self.buffer_groups) - 1 if spec.owns_cache
+                                    else self.layer_group[shared] if shared < len(self.layer_group)
+                                    else -1)  # -1: no layer-wise loads
 
     def read_pages(self, pages: list[int]) -> list[torch.Tensor]:
         return self.pool.read_pages(pages)
 
     def write_pages(self, pages: list[int], data: list[torch.Tensor]) -> None:
         self.pool.write_pages(pages, data)
+
+    def write_buffers(self, buffers: range, pages: list[int], data: list[torch.Tensor]) -> None:
+        idx = torch.tensor(pages, device=self.device)
+        bufs = self.pool.owned_buffers()
+        for j, d in zip(buffers, data):
+            bufs[j].index_copy_(0, idx, d.to(bufs[j].dtype))
 
     def page_views(self, page: int) -> list[memoryview] | None:
         if self._bytes is None:

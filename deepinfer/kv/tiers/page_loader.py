@@ -8,6 +8,7 @@ in host memory is read with one ``preadv`` straight into its L1 buffers and chec
 buffer per reader (pinned on CUDA) whose pages are decoded together into their L1 pages (on a
 side stream on CUDA). The first page that cannot be read ends the load: the pages before it are
 in place, nothing after it counts (``job.num_loaded``), and the cache manager frees the rest.
+A job with ``layers`` streams layer by layer instead (``layer_stream.py``), on its loader thread.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from ..radix import DISK, HOST
 from .backend import LoadJob
 from .codecs import Codec
 from .disk_file import PageId
+from .disk_store import DiskStore
+from .layer_stream import LayerLoads, stream_pages
 from .page_store import LOCAL, PageStore
 from .page_bytes import KVTransfer, decode_pages
 
@@ -48,6 +51,9 @@ class PageLoader:
         self.host_codec, self.disk_codec = host_codec, disk_codec
         self.host_page_nbytes, self.disk_page_nbytes = host_page_nbytes, disk_page_nbytes
         self.store = store
+        # layer-wise loads read a plain directory into a CPU pool whose every layer reads a group
+        streams = not self.cuda and min(transfer.layer_group, default=-1) >= 0
+        self.stream_store = store if streams and isinstance(store, DiskStore) else None
         self.read_host = read_host  # L2 slots -> rows, after their pending writes
         self.wait_written = wait_written  # returns once an L3 key's pending write has landed
         self._side = side  # CUDA side stream (None on CPU)
@@ -59,7 +65,15 @@ class PageLoader:
         self._readers = ThreadPoolExecutor(readers, thread_name_prefix="deepinfer-l3-reader")
         self._cv = threading.Condition()
         self._running = 0
-        self.counters = dict.fromkeys(["disk_pages_read", "disk_bytes_read", "load_errors"], 0)
+        self.counters = dict.fromkeys(["disk_pages_read", "disk_bytes_read", "load_errors",
+                                       "disk_pages_streamed"], 0)
+
+    def stream_layers(self, job: LoadJob) -> bool:
+        """``TierBackend.stream_layers``: every page from L3, and a store and pool that can."""
+        if self.stream_store is None or any(t != DISK for t, _ in job.sources):
+            return False
+        job.layers = LayerLoads(self.transfer.layer_group, len(self.transfer.buffer_groups))
+        return True
 
     def start(self, job: LoadJob) -> None:
         ready = None
@@ -82,7 +96,18 @@ class PageLoader:
         try:
             if self.cuda:
                 self._side.wait_event(ready)
-            i = 0
+            i = len(pages) if job.layers is not None else 0
+            if job.layers is not None:  # layer by layer, all from L3 (``layer_stream.py``)
+                assert self.stream_store is not None
+                t0 = time.perf_counter()
+                n = stream_pages(self.stream_store, self.transfer, self.disk_codec,
+                                 [k for _, k in pages], ids, job.dest, job.layers,
+                                 lambda: job.cancelled)
+                job.seconds_by_tier[DISK] += time.perf_counter() - t0
+                job.bytes_by_tier[DISK] += n * self.disk_page_nbytes
+                tiers, origins = [DISK] * n, [LOCAL] * n
+                if n < len(pages) and n < len(job.sources):
+                    job.failed_at = n
             while i < len(pages) and not job.cancelled:
                 tier, j = pages[i][0], i
                 while j < len(pages) and pages[j][0] == tier:
@@ -112,6 +137,8 @@ class PageLoader:
         finally:
             if self.cuda:  # the main thread reads (or frees) the pages on its own stream
                 self._side.synchronize()
+            if job.layers is not None:
+                job.layers.fail()  # no forward waits on a load that ended
         job.page_tiers = tiers
         job.page_origins = origins
         job.num_loaded = len(tiers)
@@ -119,6 +146,7 @@ class PageLoader:
         with self._cv:
             self.counters["disk_pages_read"] += tiers.count(DISK)
             self.counters["disk_bytes_read"] += job.bytes_by_tier[DISK]
+            self.counters["disk_pages_streamed"] += len(tiers) if job.layers is not None else 0
             job.done = True
             self._running -= 1
             self._cv.notify_all()

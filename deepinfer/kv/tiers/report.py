@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..cache_manager import CacheStats
+from ..cache_stats import CacheStats
 from .remote_store import REMOTE_COUNTERS
 
 
@@ -35,6 +35,8 @@ def tier_fields(s: CacheStats, t: dict[str, Any]) -> dict[str, Any]:
         "cache_load_seconds_total": s.load_seconds,
         "cache_load_seconds_max": s.load_seconds_max,
         "cache_load_failures_total": s.load_failures,
+        "cache_streamed_loads_total": s.streamed_loads,
+        "cache_streamed_rewinds_total": s.streamed_rewinds,
         "cache_load_bytes_by_tier": dict(s.load.bytes_by_tier),
         "cache_load_read_seconds_by_tier": dict(s.load.seconds_by_tier),
         "cache_checksum_failures_total": disk.get("checksum_failures", 0),

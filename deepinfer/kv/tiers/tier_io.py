@@ -342,6 +342,9 @@ class TierIO(TierBackend):
     def start_load(self, job: LoadJob) -> None:
         self.loader.start(job)
 
+    def stream_layers(self, job: LoadJob) -> bool:
+        return self.loader.stream_layers(job)
+
     def _disk_get(self, key: str, page: PageId | None, nbytes: int | None = None
                   ) -> memoryview | None:
         """The payload of ``key`` if intact, holding ``page`` and ``nbytes`` (default: one

@@ -161,12 +161,12 @@ def test_temp_files_of_a_killed_writer_are_removed_at_the_next_start(tmp_path):
 
 
 def test_temp_files_of_live_writers_are_kept(tmp_path):
-    from deepinfer.kv.tiers import disk_store as ds
+    from deepinfer.kv.tiers import tmp_files
 
     live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         (tmp_path / "ab").mkdir()
-        mine = tmp_path / "ab" / f".{'ab' * 16}.{ds._HOST}.{live.pid}.1.tmp"
+        mine = tmp_path / "ab" / f".{'ab' * 16}.{tmp_files._HOST}.{live.pid}.1.tmp"
         other_host = tmp_path / "ab" / f".{'ab' * 16}.elsewhere.1.1.tmp"
         mine.write_bytes(b"x")
         other_host.write_bytes(b"x")

@@ -1,0 +1,174 @@
+"""Layer-wise L3 loads (issue 17, ``kv/tiers/layer_stream.py``): a hit's prefill runs while its
+pages load layer by layer. Exact (the same KV and tokens as a whole-page load), and a page that
+fails its check, or a loader that dies mid-read, leaves nothing half-applied: the request
+recomputes from the first page that did not check out."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from deepinfer.forward_batch import ForwardBatch
+from deepinfer.kv.hashing import chain_hashes
+from deepinfer.kv.layout import KVSpec
+from deepinfer.kv.pool import PagePool
+from deepinfer.kv.radix import DISK
+from deepinfer.kv.tiers import layer_stream
+from deepinfer.kv.tiers.backend import LoadJob
+from deepinfer.kv.tiers.disk_file import page_id
+from deepinfer.kv.tiers.page_bytes import PoolTransfer
+from deepinfer.kv.tiers.tier_io import TierIO
+from deepinfer.llm import LLM
+from deepinfer.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+PS = 4
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+@pytest.mark.parametrize("codec", ["lossless", "fp8", "fp4"])
+def test_a_streamed_load_lands_what_a_whole_page_load_does(tmp_path, codec):
+    specs = [KVSpec.gqa(2, 32) for _ in range(3)] + [KVSpec.gqa(2, 32, share_with=1)]
+    n = 10
+    src = PagePool(specs, n + 1, 16, torch.float32, torch.device("cpu"))
+    for b in src.owned_buffers():
+        b.copy_(torch.randn(b.shape))
+    keys = [f"{i:032x}" for i in range(n)]
+    ids = [page_id(i.to_bytes(16, "little"), list(range(16))) for i in range(n)]
+    w = TierIO(PoolTransfer(src), 16, "t", disk_dir=tmp_path, disk_bytes=1 << 30, disk_codec=codec)
+    assert w.device_to_disk(list(range(1, n + 1)), keys, ids) and w.close()
+    got = []
+    for stream in (False, True):
+        dst = PagePool(specs, n + 1, 16, torch.float32, torch.device("cpu"))
+        io = TierIO(PoolTransfer(dst), 16, "t", disk_dir=tmp_path, disk_bytes=1 << 30,
+                    disk_codec=codec)
+        job = LoadJob(sources=[(DISK, k) for k in keys], source_ids=list(ids),
+                      dest=list(range(1, n + 1)))
+        if stream:
+            assert io.stream_layers(job)
+        io.start_load(job)
+        if stream:
+            for layer in range(len(specs)):  # the shared layer waits on its owner's KV
+                job.layers.wait(layer)
+        while not job.done:
+            io.wait(1.0)
+        assert job.num_loaded == n
+        assert io.stats()["disk_pages_streamed"] == (n if stream else 0)
+        got.append([b[1:].clone() for b in dst.owned_buffers()])
+        io.close()
+    for a, b in zip(*got):
+        assert torch.equal(a, b)
+    if codec == "lossless":
+        for a, b in zip(src.owned_buffers(), got[1]):
+            assert torch.equal(a[1:], b)
+
+
+def make(tiny_llama, disk, **kw):
+    return LLM(str(tiny_llama), page_size=PS, num_pages=512, max_num_batched_tokens=256,
+               progress=False, host_cache_gb=0, disk_cache_dir=str(disk), **kw)
+
+
+def prompt(n, seed):
+    return torch.randint(3, 300, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture()
+def on_disk(tiny_llama, tmp_path):
+    """A 101-token prompt's 25 full pages written to L3 by an engine that is gone."""
+    p = prompt(101, seed=3)
+    a = make(tiny_llama, tmp_path)
+    a.generate(p, GREEDY)
+    hashes = chain_hashes(p, PS, a.engine.kv.root(None))
+    files = [Path(a.engine.tiers.store._file(a.engine.tiers.disk_key(h))) for h in hashes]
+    a.engine.shutdown()
+    assert all(f.exists() for f in files)
+    return p, files
+
+
+@pytest.fixture()
+def forward_first(monkeypatch):
+    """Make the streamed read number ``at`` wait until the forward waits for layer 1 (so the
+    request surely started on the load), then call ``then`` (e.g. raise) or read."""
+    reached = threading.Event()
+    real_for_layer, real_preadv = ForwardBatch.for_layer, os.preadv
+    calls = [0]
+
+    def for_layer(batch, i):
+        if i == 1 and batch.layer_loads:
+            reached.set()
+        return real_for_layer(batch, i)
+
+    def setup(at, then=None):
+        def preadv(fd, bufs, off):
+            calls[0] += 1
+            if calls[0] == at:
+                assert reached.wait(30)
+                if then is not None:
+                    then()
+            return real_preadv(fd, bufs, off)
+
+        monkeypatch.setattr(ForwardBatch, "for_layer", for_layer)
+        monkeypatch.setattr(layer_stream.os, "preadv", preadv)
+        return calls
+
+    return setup
+
+
+def run(tiny_llama, disk, p, stream, tail=(7, 8, 9)):
+    llm = make(tiny_llama, disk, kv_stream_layers=stream)
+    out = llm.generate(p + list(tail), GREEDY)[0]
+    st = llm.engine.tiers.stats() | llm.engine.stats()
+    llm.engine.shutdown()
+    return out, st
+
+
+@pytest.mark.parametrize("tail", [(7, 8, 9), ()])  # (): one token left, run as a decode row
+def test_a_streamed_hit_gives_the_tokens_of_a_whole_page_load(tiny_llama, tmp_path, on_disk,
+                                                              forward_first, tail):
+    p, _ = on_disk
+    whole, st_whole = run(tiny_llama, tmp_path, p, stream=False, tail=tail)
+    forward_first(at=26)  # layer 1's first read: layer 0 computed meanwhile
+    streamed, st = run(tiny_llama, tmp_path, p, stream=True, tail=tail)
+    assert st["disk_pages_streamed"] == 25 and st_whole["disk_pages_streamed"] == 0
+    assert st["cache_streamed_loads_total"] == 1 and st["cache_streamed_rewinds_total"] == 0
+    assert streamed.token_ids == whole.token_ids
+    assert streamed.cached_tokens_by_tier == whole.cached_tokens_by_tier == {
+        "device": 0, "host": 0, "disk": 100}
+    assert streamed.load_bytes_by_tier == whole.load_bytes_by_tier
+
+
+def test_a_page_failing_its_check_after_the_forward_is_recomputed(tiny_llama, tmp_path, on_disk,
+                                                                  forward_first):
+    p, files = on_disk
+    cold, _ = run(tiny_llama, tmp_path / "none", p, stream=False)
+    data = bytearray(files[10].read_bytes())
+    data[-20] ^= 0xFF  # the last layer's V of page 10: found only once every layer ran
+    files[10].write_bytes(bytes(data))
+    forward_first(at=26)
+    out, st = run(tiny_llama, tmp_path, p, stream=True)
+    assert out.token_ids == cold.token_ids
+    assert out.cached_tokens_by_tier == {"device": 0, "host": 0, "disk": 40}  # pages 0-9
+    assert out.num_cached_tokens + out.num_computed_tokens == out.num_prompt_tokens
+    assert st["cache_streamed_loads_total"] == st["cache_streamed_rewinds_total"] == 1
+    assert st["disk"]["checksum_failures"] == 1  # quarantined, and the recomputed page written
+    assert files[10].read_bytes() != bytes(data)
+
+
+def test_a_loader_dying_mid_read_leaves_nothing_applied(tiny_llama, tmp_path, on_disk,
+                                                        forward_first):
+    p, _ = on_disk
+    cold, _ = run(tiny_llama, tmp_path / "none", p, stream=False)
+
+    def die():
+        raise RuntimeError("loader killed")
+
+    calls = forward_first(at=40, then=die)  # in layer 1 (25 reads a layer), layer 0 in use
+    out, st = run(tiny_llama, tmp_path, p, stream=True)
+    assert calls[0] == 40 and st["load_errors"] == 1
+    assert st["cache_streamed_loads_total"] == st["cache_streamed_rewinds_total"] == 1
+    assert out.token_ids == cold.token_ids
+    assert out.cached_tokens_by_tier["disk"] == 0 and out.num_computed_tokens == len(p) + 3
