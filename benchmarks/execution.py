@@ -7,7 +7,12 @@ round (``core.fastest``), so load from other processes hits all sides alike. lla
 own venv, one subprocess per measurement (its load time is not counted). Batched decode is not
 offered by llama-cpp-python's API, so its batch 8/32 cells stay empty.
 
-    python benchmarks/execution.py [--quick] [--threads N] [--llamacpp-python PATH]
+    python benchmarks/execution.py [--quick] [--threads N] [--llamacpp-python PATH] [--only prefill]
+
+The prefill section also runs fp32 in the engine's default 2,048-token chunks (chunks after the
+first attend over the cached pages of the earlier ones) and a 200-token tail after a 2,048-token
+cached prefix (the agent workload's prefills), against transformers over a copy of its own
+cache of the same prefix.
 
 Writes results/execution/summary.json and summary.md; prints the CPU model with the results.
 """
@@ -17,6 +22,7 @@ from __future__ import annotations
 import deepinfer  # noqa: F401  (first: sets the OpenMP wait policy before torch loads)
 
 import argparse
+import copy
 import json
 import subprocess
 import sys
@@ -24,7 +30,7 @@ from pathlib import Path
 
 import torch
 from core import fastest, random_prompts, timed
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, DynamicCache
 
 from deepinfer.hardware import auto_dtype, cpu_isa, lscpu_model
 from deepinfer.llm import LLM
@@ -90,6 +96,31 @@ def prefill_row(n: int, llms: dict[str, LLM], hf, peer: Path | None, gguf: Path,
     best = fastest(fns, rounds)
     names = list(llms) + ["transformers"] + (["llama.cpp"] if peer else [])
     return {"tokens": n, "tok_s": {k: n / t for k, t in zip(names, best)}}
+
+
+def tail_row(prefix: int, tail: int, llm: LLM, hf, vocab: int, rounds: int) -> dict:
+    """A ``tail``-token prompt end after a cached ``prefix``: ours from the prefix cache (a fresh
+    tail each call, so only the prefix hits), transformers from a copy of its cache of the prefix
+    (copied outside the timing)."""
+    ids = random_prompts(1, prefix, vocab, seed=prefix)[0]
+    tails = iter(random_prompts(2 * rounds + 2, tail, vocab, seed=prefix + tail))
+    one = SamplingParams(max_tokens=1, temperature=0)
+    llm.generate(ids, one)  # caches the prefix
+    with torch.inference_mode():
+        cache = hf(torch.tensor([ids]), use_cache=True, cache=DynamicCache(), logits_to_keep=1).cache
+
+    def reference():
+        kv, x = copy.deepcopy(cache), torch.tensor([next(tails)])
+        with torch.inference_mode():
+            return timed(lambda: hf(x, cache=kv, use_cache=True, logits_to_keep=1))
+
+    def ours():
+        prompt = ids + next(tails)
+        return timed(lambda: llm.generate(prompt, one))
+
+    best = fastest([ours, reference], rounds)
+    return {"tokens": f"{tail} after {prefix} cached",
+            "tok_s": {"fp32": tail / best[0], "transformers": tail / best[1]}}
 
 
 def decode_fns(b: int, llms: dict[str, LLM], hf, vocab: int, new_tokens: int) -> dict:
@@ -161,6 +192,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--llamacpp-python", default=str(DEFAULT_PEER),
                     help="python of a venv with llama-cpp-python ('' to skip llama.cpp)")
+    ap.add_argument("--only", choices=["prefill", "decode", "contention"], action="append",
+                    help="run only these sections (repeatable; default: all)")
     ap.add_argument("--out", default="results/execution")
     args = ap.parse_args()
     threads = args.threads or available_cores()
@@ -175,22 +208,33 @@ def main() -> None:
     vocab = first.hf_config.vocab_size
     res = {"cpu": lscpu_model(), "isa": cpu_isa().describe(), "threads": threads, "rounds": args.rounds,
            "transformers_dtype": str(hf_dtype), "startup": {k: v.engine.startup_summary for k, v in llms.items()}}
-    res["prefill"] = [prefill_row(n, llms, hf, peer, gguf, threads, vocab, args.rounds) for n in lengths]
-    res["decode"] = [decode_row(b, llms, hf, peer, gguf, threads, vocab, new_tokens, args.rounds)
-                     for b in batches]
-    default = llms["bf16" if "bf16" in llms else "fp32"]  # what --dtype auto picks
-    res["contention"] = contention_row(default, peer, gguf, threads, vocab, new_tokens, args.rounds)
-    names = list(llms) + ["transformers", "llama.cpp"]
+    only = set(args.only or ["prefill", "decode", "contention"])
+    chunked = "fp32 (2,048-token chunks)"
+    names = list(llms) + [chunked, "transformers", "llama.cpp"]
     lines = [f"CPU: {res['cpu']} ({res['isa']}), {threads} threads, best of {args.rounds} interleaved "
              f"rounds; transformers in {hf_dtype}",
              "kernels: " + "; ".join(f"{k}: {v.engine.runner.quant_plan.describe()}" for k, v in llms.items()
                                      if v.engine.runner.quant_plan.scheme != "none"), ""]
-    lines += table("prefill tok/s, tokens", "tokens", res["prefill"], names) + [""]
-    lines += table("decode tok/s, batch", "batch", res["decode"], names) + [""]
-    lines += ["| contention (batch-1 decode) | quiet tok/s | one busy neighbour tok/s | busy / quiet |",
-              "|---|---|---|---|"]
-    lines += [f"| {k} | {v['quiet_tok_s']:.1f} | {v['busy_tok_s']:.1f} | {v['ratio']:.2f}x |"
-              for k, v in res["contention"].items()]
+    if "prefill" in only:
+        fp32 = engine_sides(threads, kv_gb)["fp32"]
+        sides = {**llms, chunked: LLM(None, **{**fp32, "max_num_batched_tokens": 2048})}
+        res["prefill"] = [prefill_row(n, sides, hf, peer, gguf, threads, vocab, args.rounds) for n in lengths]
+        res["prefill"].append(tail_row(lengths[0] if args.quick else 2048, 200,
+                                       LLM(None, **{**fp32, "enable_prefix_cache": True}), hf, vocab,
+                                       args.rounds))
+        lines += table("prefill tok/s, tokens", "tokens", res["prefill"], names) + [""]
+    if "decode" in only:
+        res["decode"] = [decode_row(b, llms, hf, peer, gguf, threads, vocab, new_tokens, args.rounds)
+                         for b in batches]
+        lines += table("decode tok/s, batch", "batch", res["decode"], list(llms) + ["transformers", "llama.cpp"])
+        lines += [""]
+    if "contention" in only:
+        default = llms["bf16" if "bf16" in llms else "fp32"]  # what --dtype auto picks
+        res["contention"] = contention_row(default, peer, gguf, threads, vocab, new_tokens, args.rounds)
+        lines += ["| contention (batch-1 decode) | quiet tok/s | one busy neighbour tok/s | busy / quiet |",
+                  "|---|---|---|---|"]
+        lines += [f"| {k} | {v['quiet_tok_s']:.1f} | {v['busy_tok_s']:.1f} | {v['ratio']:.2f}x |"
+                  for k, v in res["contention"].items()]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps(res, indent=2))

@@ -7,7 +7,8 @@ builds once per step for all layers, copies every decode's keys straight into th
 ``[B, kv_heads, L, dim]`` layout attention reads (padded, masked), in a workspace reused by
 every layer; on the SDPA path the query heads sharing a KV head are folded into the
 query-length dimension, so grouped-query attention needs no repeated K/V. Each prefill chunk
-runs on its own so its causal mask can start mid-sequence. Plain torch ops: runs on CPU and CUDA.
+runs on its own so its causal mask can start mid-sequence; on CPU a chunk after cached keys
+needs no mask at all (``chunk_attention.py``). Plain torch ops: runs on CPU and CUDA.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from ..forward_batch import ForwardBatch
+from .chunk_attention import prefix_then_causal, splits_at_prefix
 
 
 def store_kv(cache: torch.Tensor, x: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -106,13 +108,21 @@ def paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
         out[:nd] = decode_attention(q[:nd], k_cache, v_cache, batch, scale, window, softcap, sinks)
     for i, seg in enumerate(batch.prefills):
         sl = slice(seg.q_start, seg.q_start + seg.q_len)
+        qh = q[sl].transpose(0, 1)[None]
         if seg.kv_len == seg.q_len:  # nothing cached before this chunk: use K/V as computed
             k, v = k_new[sl], v_new[sl]
         else:
             k, v = _gather_kv(k_cache, v_cache, seg.pages)
             k, v = k[: seg.kv_len - seg.kv_start], v[: seg.kv_len - seg.kv_start]
+            # every earlier key visible (no window, not a ring view), plain softmax
+            plain = window is None and seg.kv_start == 0 and seg.kv_lo <= 0 and softcap is None and sinks is None
+            if plain and splits_at_prefix(q, v):
+                o = prefix_then_causal(qh, k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                       seg.kv_len - seg.q_len, scale)
+                out[sl] = o[0].transpose(0, 1)
+                continue
         mask = batch.prefill_mask(i, window)
-        o = attend(q[sl].transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+        o = attend(qh, k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                    mask, scale, causal=mask is None, softcap=softcap, sinks=sinks)
         out[sl] = o[0].transpose(0, 1)
     return out
