@@ -2,11 +2,16 @@
 
 Candidates (``benchmarks/quant_kernels.py`` times them against fp32 ``F.linear``):
 
-- ``native``: our own CPU kernel (``quant/native.py``, ``csrc/qgemm.cpp``), built at first use:
-  int8 or int4 codes in groups of 32 widened to fp32 in registers and multiplied with the fp32
-  activations as they are, for the matmuls of decode (up to ``quant/linear.py``'s
-  ``NATIVE_MAX_ROWS`` rows); prefill-sized calls de-quantize once and run ``F.linear``. Auto on
-  CPU whenever it builds, except where ``tinygemm`` is auto.
+- ``native``: our own CPU kernel (``quant/native.py``, ``csrc/qgemm.cpp``), built at first use,
+  for the matmuls of decode (up to ``quant/linear.py``'s ``NATIVE_MAX_ROWS`` rows; prefill-sized
+  calls de-quantize once and run ``F.linear``). It rounds each block of 32 activations to int16
+  with its own scale and takes exact integer dots with the int8 / int4 codes: faster than
+  widening the codes to fp32, and as accurate at SmolLM2's argmax (README). Auto on CPU whenever
+  it builds, except where ``tinygemm`` is auto. Its variants, opt-in:
+- ``native-int8``: activations rounded to int8 per block of 32 (GGUF's Q8 activations), the
+  fastest, but below the 99% argmax bar on SmolLM2 (README), so never auto.
+- ``native-float``: activations kept in fp32 (codes widened to fp32 in registers): its only
+  error is the weights' own, so it is the exactness reference.
 - ``fbgemm``: ``torch.ops.quantized.linear_dynamic`` on int8 weights prepacked for the x86
   quantized engine. Faster than fp32 ``F.linear`` at every M measured, but it also quantizes
   its activations (uint8, one scale per call, 7-bit range against AVX2's 16-bit overflow), and the
@@ -34,13 +39,15 @@ from ..hardware import cpu_isa
 from .native import native_kernel
 
 QUANTIZATIONS = ("none", "int8", "int4")
-KERNELS = ("auto", "native", "fbgemm", "tinygemm", "dequant")
+KERNELS = ("auto", "native", "native-int8", "native-float", "fbgemm", "tinygemm", "dequant")
+# the native kernel's variants -> the bits its activations are rounded to (32: kept in fp32)
+NATIVE_ACT_BITS = {"native": 16, "native-int8": 8, "native-float": 32}
 
 
 @dataclass(frozen=True)
 class QuantPlan:
     scheme: str  # what the weights are stored as: none | int8 | int4
-    kernel: str  # what runs them: none | native | fbgemm | tinygemm | dequant
+    kernel: str  # what runs them: none | native | native-int8 | native-float | fbgemm | tinygemm | dequant
     note: str = ""  # why the plan differs from the request, or ""
 
     def describe(self) -> str:
@@ -62,8 +69,8 @@ def has_tinygemm_cpu() -> bool:
 
 def plan_quantization(scheme: str, kernel: str, device: torch.device, dtype: torch.dtype) -> QuantPlan:
     """The kernel for ``scheme``; ``kernel="auto"``: the fastest one that keeps activations in
-    float (``fbgemm`` is opt-in, see the module docstring). Missing kernels fall back to ``dequant``;
-    only ``native`` and ``auto`` may build the native kernel."""
+    float or in int16 blocks (``fbgemm`` and ``native-int8`` are opt-in, see the module docstring).
+    Missing kernels fall back to ``dequant``; only ``auto`` and the ``native*`` ones build the native kernel."""
     if scheme not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {scheme!r}")
     if kernel not in KERNELS:
@@ -87,11 +94,11 @@ def plan_quantization(scheme: str, kernel: str, device: torch.device, dtype: tor
     if kernel == "dequant":
         return QuantPlan(scheme, "dequant")
     if not cpu:  # e.g. CUDA: de-quantizing per matmul is the kernel there
-        asked = kernel == "native"
+        asked = kernel in NATIVE_ACT_BITS
         return QuantPlan(scheme, "dequant", f"the native kernel is CPU code; de-quantizing per matmul on "
                                             f"{device.type}" if asked else "")
     native = native_kernel()
     if native.loaded:
-        return QuantPlan(scheme, "native")
+        return QuantPlan(scheme, kernel if kernel in NATIVE_ACT_BITS else "native")
     return QuantPlan(scheme, "dequant", f"{native.error}; de-quantizing per matmul instead: "
                                         "smaller weights, not faster")

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..layers.linear import FusedLinear, SplitOutputs
-from .kernels import QuantPlan, fbgemm_engine
+from .kernels import NATIVE_ACT_BITS, QuantPlan, fbgemm_engine
 from .native import native_linear
 from .weights import QuantizedWeight, GROUP, quantize_int4, quantize_int8
 
@@ -53,7 +53,7 @@ class QuantizedLinear(SplitOutputs, nn.Module):
             zero = weight.offset + 8 * weight.scale
             self._scales_zeros = torch.stack((weight.scale, zero), -1).transpose(0, 1).contiguous()
             self._group = weight.group
-        elif kernel == "native":
+        elif kernel in NATIVE_ACT_BITS:
             if weight.group != GROUP:
                 raise ValueError(f"the native kernel runs weights in groups of {GROUP} only")
             offset = None if weight.offset is None else weight.offset.float().contiguous()
@@ -76,10 +76,11 @@ class QuantizedLinear(SplitOutputs, nn.Module):
                 x2, self._packed, self._group, self._scales_zeros.to(torch.bfloat16))
             y = y.to(x.dtype).view(*lead, self.out_features)
             return y if self.bias is None else y + self.bias.to(x.dtype)
-        if self.kernel == "native" and x.numel() <= NATIVE_MAX_ROWS * k:
+        if self.kernel in NATIVE_ACT_BITS and x.numel() <= NATIVE_MAX_ROWS * k:
             w = self.weight
             bias = None if self.bias is None else self.bias.float()
-            y = native_linear(x.reshape(-1, k).float().contiguous(), w.codes, w.scale, w.offset, bias, w.bits)
+            y = native_linear(x.reshape(-1, k).float().contiguous(), w.codes, w.scale, w.offset, bias, w.bits,
+                              NATIVE_ACT_BITS[self.kernel])
             return y.to(x.dtype).view(*lead, self.out_features)
         bias = None if self.bias is None else self.bias.to(x.dtype)
         return F.linear(x, self.weight.dequantize(x.dtype), bias)

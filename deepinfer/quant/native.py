@@ -33,16 +33,9 @@ def native_kernel() -> NativeExtension:
 
 
 def native_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
-                  bias: torch.Tensor | None, bits: int) -> torch.Tensor:
-    """``x[M, K] @ W.T + bias`` in fp32, ``W`` in the kernel's layout (``native_codes``)."""
-    return torch.ops.deepinfer_quant.linear(x, codes, scale, offset, bias, bits)
-
-
-def native_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Our packing (int4: low nibble even column) -> the kernel's: per group of 32, byte j holds
-    column j in its low nibble and column j + 16 in its high one, so a group unpacks in order."""
-    if bits == 8:
-        return codes.contiguous()
-    n = codes.shape[0]
-    values = torch.stack((codes & 0x0F, codes >> 4), dim=-1).view(n, -1, 2, 16)  # [N, G, halves, 16]
-    return (values[:, :, 0] | (values[:, :, 1] << 4)).reshape(n, -1).contiguous()
+                  bias: torch.Tensor | None, bits: int, act_bits: int) -> torch.Tensor:
+    """``x[M, K] @ W.T + bias`` in fp32, ``W`` as ``QuantizedWeight`` holds it (groups of 32).
+    ``act_bits`` 16 or 8: each block of 32 values of a row of ``x`` is rounded first to int16 /
+    int8 codes (``round(x * L / max|x|)``, ``L`` = 32767 or 127, one scale per block), then dotted
+    exactly with the weight codes; 32: the codes are widened to fp32 and ``x`` is kept as it is."""
+    return torch.ops.deepinfer_quant.linear(x, codes, scale, offset, bias, bits, act_bits)

@@ -1,5 +1,7 @@
-"""The native CPU kernel (``quant/native.py``): outputs vs de-quantize + ``F.linear``, thread-count
-invariance, the layer's use of it, and the fallback when it is disabled or does not build."""
+"""The native CPU kernel (``quant/native.py``): float activations vs de-quantize + ``F.linear``, int16
+and int8 activations vs a reference written in torch (the same block rounding of x, then exact
+integer dots), thread-count invariance, the layer's use of it, and the fallback when it is disabled or
+does not build."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from deepinfer.quant import native
-from deepinfer.quant.kernels import QuantPlan, plan_quantization
+from deepinfer.quant.kernels import NATIVE_ACT_BITS, QuantPlan, plan_quantization
 from deepinfer.quant.linear import NATIVE_MAX_ROWS, QuantizedLinear, quantize_model
 from deepinfer.quant.native import native_kernel, native_linear
 from deepinfer.quant.weights import QuantizedWeight, quantize_int4, quantize_int8
@@ -53,43 +55,116 @@ def test_matches_dequantized_reference(kernel, threads, fmt, n, k, m, nthreads):
     w = FORMATS[fmt](torch.randn(n, k) / k ** 0.5)
     x, bias = torch.randn(m, k), torch.randn(n)
     ref = F.linear(x.double(), w.dequantize(torch.float32).double(), bias.double())
-    y = native_linear(x, w.codes, w.scale, w.offset, bias, w.bits)
+    y = native_linear(x, w.codes, w.scale, w.offset, bias, w.bits, act_bits=32)
     assert y.dtype == torch.float32 and y.shape == (m, n)
     assert (y.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
 
 
+def quantize_activations(x: torch.Tensor, act_bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per block of 32 values of a row: codes round(x * L / max|x|) (half to even), L = 2**(bits-1) - 1,
+    float32 [M, K / 32, 32], and the block's scale max|x| / L, [M, K / 32]."""
+    m, k = x.shape
+    limit = 2 ** (act_bits - 1) - 1
+    blocks = x.view(m, k // 32, 32)
+    amax = blocks.abs().amax(-1)
+    inv = torch.where(amax > 0, limit / amax, torch.zeros_like(amax))
+    return torch.round(blocks * inv[..., None]), amax / limit
+
+
+def reference(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None, act_bits: int) -> torch.Tensor:
+    q, d = quantize_activations(x, act_bits)
+    n, k = w.shape
+    codes = w.values().long().view(n, k // 32, 32).double()
+    dots = torch.einsum("mgj,ngj->mng", q.double(), codes)  # exact: integers far below 2**53
+    scale = (w.scale[None] * d[:, None]).double()  # the kernel's fp32 product of the two scales
+    y = (dots * scale).sum(-1)
+    if w.offset is not None:
+        block_sums = (d * q.sum(-1)).double()  # the rounded activations' sums, as in the kernel
+        y = y + block_sums @ w.offset.double().T
+    return y if bias is None else y + bias.double()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("n,k", [(80, 96), (33, 160), (1200, 576)])
+@pytest.mark.parametrize("m", [1, 3, 8, 17, 32])
+@pytest.mark.parametrize("nthreads", [1, 2])
+@pytest.mark.parametrize("act_bits", [16, 8])
+def test_integer_activations_match_torch_reference(kernel, threads, fmt, n, k, m, nthreads, act_bits):
+    threads(nthreads)
+    torch.manual_seed(n + k + m)
+    w = FORMATS[fmt](torch.randn(n, k) / k ** 0.5)
+    x, bias = torch.randn(m, k) * torch.rand(k) * 4, torch.randn(n)  # channels of unequal size
+    x[0, :32] = 0  # a block of zeros: scale 0, codes 0
+    y = native_linear(x, w.codes, w.scale, w.offset, bias, w.bits, act_bits)
+    ref = reference(x, w, bias, act_bits)
+    assert y.dtype == torch.float32 and y.shape == (m, n)
+    assert (y.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+
+@pytest.mark.parametrize("quantize", [quantize_int8, quantize_int4])
+@pytest.mark.parametrize("act_bits", [16, 8])
+def test_integer_activations_extreme_codes_do_not_saturate(kernel, quantize, act_bits):
+    """int8 code -128 against activation codes of +-127 (+-32767) in every position: for int8, the
+    largest pair sums maddubs forms (2 * 128 * 127), which must not saturate int16."""
+    k = 64
+    w = quantize(torch.cat([-torch.ones(1, k), torch.ones(1, k) * 0.5, torch.linspace(-1, 1, k)[None]]))
+    x = torch.cat([-torch.ones(1, k), torch.ones(1, k), torch.linspace(-3, 3, k)[None]])
+    y = native_linear(x, w.codes, w.scale, w.offset, None, w.bits, act_bits)
+    assert (y.double() - reference(x, w, None, act_bits)).abs().max() <= 1e-5 * k
+
+
+@pytest.mark.parametrize("act_bits", [16, 8])
+def test_integer_activations_error_is_the_rounding_of_x(kernel, threads, act_bits):
+    """vs the float path on the same weights: off by no more than the rounding of x allows."""
+    threads(1)
+    w = quantize_int8(torch.randn(256, 576) / 24)
+    x = torch.randn(4, 576)
+    exact = native_linear(x, w.codes, w.scale, w.offset, None, 8, act_bits=32)
+    y = native_linear(x, w.codes, w.scale, w.offset, None, 8, act_bits)
+    q, d = quantize_activations(x, act_bits)
+    rounding = (x - (q * d[..., None]).view_as(x)).abs()  # at most d / 2 per value
+    bound = rounding @ w.dequantize(torch.float32).abs().T
+    assert ((y - exact).abs() <= bound * 1.001 + 1e-6).all()
+    assert not torch.equal(y, exact)
+
+
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
-def test_same_bits_on_any_thread_count(kernel, threads, fmt):
+@pytest.mark.parametrize("act_bits", [32, 16, 8])
+def test_same_bits_on_any_thread_count(kernel, threads, fmt, act_bits):
     w = FORMATS[fmt](torch.randn(3000, 576) / 24)  # big enough to be split over threads
     x = torch.randn(5, 576)
     outs = []
     for n in (1, 2, 3):
         threads(n)
-        outs.append(native_linear(x, w.codes, w.scale, w.offset, None, w.bits))
+        outs.append(native_linear(x, w.codes, w.scale, w.offset, None, w.bits, act_bits))
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
 def test_rejects_bad_shapes(kernel):
     w = quantize_int8(torch.randn(8, 64))
     with pytest.raises(RuntimeError, match="multiple of 32"):
-        native_linear(torch.randn(1, 48), w.codes[:, :48].contiguous(), w.scale, w.offset, None, 8)
+        native_linear(torch.randn(1, 48), w.codes[:, :48].contiguous(), w.scale, w.offset, None, 8, 16)
     with pytest.raises(RuntimeError, match="float32"):
-        native_linear(torch.randn(1, 64).double(), w.codes, w.scale, w.offset, None, 8)
+        native_linear(torch.randn(1, 64).double(), w.codes, w.scale, w.offset, None, 8, 16)
+    with pytest.raises(RuntimeError, match="act_bits"):
+        native_linear(torch.randn(1, 64), w.codes, w.scale, w.offset, None, 8, 4)
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
-def test_layer_runs_decode_rows_natively_and_prefill_through_float(kernel, threads, scheme):
+@pytest.mark.parametrize("native_kernel_name", sorted(NATIVE_ACT_BITS))
+def test_layer_runs_decode_rows_natively_and_prefill_through_float(kernel, threads, scheme, native_kernel_name):
     threads(1)
     linear = nn.Linear(128, 96, bias=True)
     model = nn.Sequential(linear)
-    quantize_model(model, QuantPlan(scheme, "native"))
+    quantize_model(model, QuantPlan(scheme, native_kernel_name))
     layer = model[0]
-    assert isinstance(layer, QuantizedLinear) and layer.kernel == "native"
+    assert isinstance(layer, QuantizedLinear) and layer.kernel == native_kernel_name
     w = layer.weight.dequantize(torch.float32)
-    for rows in (1, NATIVE_MAX_ROWS, NATIVE_MAX_ROWS + 1):
+    for rows in (1, NATIVE_MAX_ROWS):
         x = torch.randn(1, rows, 128)
-        ref = F.linear(x, w, linear.bias.data)
-        assert (layer(x) - ref).abs().max() <= 1e-5 * ref.abs().max()
+        expected = native_linear(x[0], layer.weight.codes, layer.weight.scale, layer.weight.offset,
+                                 linear.bias.data, layer.weight.bits, NATIVE_ACT_BITS[native_kernel_name])
+        assert torch.equal(layer(x)[0], expected)
     x = torch.randn(NATIVE_MAX_ROWS + 1, 128)  # prefill-sized: exactly the de-quantize path
     assert torch.equal(layer(x), F.linear(x, w, linear.bias.data))
     xb = torch.randn(2, 128, dtype=torch.bfloat16)  # other activation dtypes are computed in fp32
@@ -99,6 +174,8 @@ def test_layer_runs_decode_rows_natively_and_prefill_through_float(kernel, threa
 def test_auto_picks_native_on_cpu_only(kernel):
     assert plan_quantization("int8", "auto", CPU, torch.float32) == QuantPlan("int8", "native")
     assert plan_quantization("int4", "native", CPU, torch.float32) == QuantPlan("int4", "native")
+    for variant in ("native-int8", "native-float"):
+        assert plan_quantization("int4", variant, CPU, torch.float32) == QuantPlan("int4", variant)
     cuda = plan_quantization("int4", "native", torch.device("cuda"), torch.bfloat16)
     assert cuda.kernel == "dequant" and "CPU code" in cuda.note
     assert plan_quantization("int8", "auto", torch.device("cuda"), torch.bfloat16) == QuantPlan("int8", "dequant")
@@ -119,6 +196,7 @@ def test_disabled_by_env_falls_back_to_dequant(fresh_build):
     plan = plan_quantization("int4", "auto", CPU, torch.float32)
     assert plan.kernel == "dequant" and native.DISABLE_ENV in plan.note and "de-quantizing" in plan.note
     assert plan_quantization("int8", "native", CPU, torch.float32).kernel == "dequant"
+    assert plan_quantization("int8", "native-float", CPU, torch.float32).kernel == "dequant"
 
 
 def test_build_failure_falls_back_to_dequant(fresh_build, tmp_path):

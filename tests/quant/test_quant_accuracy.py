@@ -74,19 +74,29 @@ def test_quantized_from_float_argmax_agreement(smollm2, scheme, min_agreement):
     assert r["argmax_agreement"] >= min_agreement
 
 
-@pytest.mark.parametrize("scheme", ["int8", "int4"])
-def test_native_kernel_on_the_gguf_blocks_matches_float(smollm2, scheme):
+@pytest.mark.parametrize("scheme,kernel,min_agreement", [
+    ("int8", "native", 0.99), ("int4", "native", 0.99), ("int4", "native-float", 0.99), ("int4", "native-int8", 0.95)])
+def test_native_kernel_on_the_gguf_blocks_matches_float(smollm2, scheme, kernel, min_agreement):
     """Calls of up to ``NATIVE_MAX_ROWS`` rows (decode, batched decode) run the native kernel: on
-    the GGUF's own blocks its logits are the float model's up to fp32 rounding."""
+    the GGUF's own blocks, ``native-float``'s logits are the float model's up to fp32 rounding;
+    ``native`` rounds the activations to int16 per block of 32 and must keep the argmax at the
+    99% bar (teacher-forced, so the error is that of one step); ``native-int8`` (int8 blocks)
+    falls below it, which is why it is opt-in."""
     from deepinfer.llm import LLM
     from deepinfer.quant.linear import NATIVE_MAX_ROWS
 
     seqs, ref, _ = smollm2
-    llm = LLM(None, **ENGINE, quantization=scheme, quantization_kernel="native")
-    if llm.engine.runner.quant_plan.kernel != "native":
+    llm = LLM(None, **ENGINE, quantization=scheme, quantization_kernel=kernel)
+    if llm.engine.runner.quant_plan.kernel != kernel:
         pytest.skip(llm.engine.runner.quant_plan.note)
     n = NATIVE_MAX_ROWS - 28  # one forward of n rows per sequence
-    for seq, r in zip(seqs, ref):
-        out = llm.engine.score([seq[:n]])[0][0]
-        assert (out - r[:n]).abs().max() <= 1e-3 * r[:n].abs().max()
-        assert (out.argmax(-1) == r[:n].argmax(-1)).float().mean() >= 0.99
+    outs = [llm.engine.score([seq[:n]])[0][0] for seq in seqs]
+    refs = [r[:n] for r in ref]
+    r = compare([x[:-1] for x in refs], [x[:-1] for x in outs], [s[:n] for s in seqs], 0)
+    print(f"\nSmolLM2 GGUF {scheme}, {kernel} kernel vs the same weights in float, teacher-forced over "
+          f"{r['positions']} positions: argmax agreement {r['argmax_agreement']:.4f}, perplexity "
+          f"{r['ppl_reference']:.4f} -> {r['ppl_tier']:.4f} ({r['ppl_change']:+.2%})")
+    assert r["argmax_agreement"] >= min_agreement
+    if kernel == "native-float":
+        for out, want in zip(outs, refs):
+            assert (out - want).abs().max() <= 1e-3 * want.abs().max()
