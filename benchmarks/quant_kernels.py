@@ -4,10 +4,13 @@ choices and ``quant/linear.py``'s ``NATIVE_MAX_ROWS``.
 
 Each row: one weight shape of SmolLM2-135M (N x K) and M activation rows; each cell: fp32 time /
 kernel time (> 1: the kernel is faster), best of ``--rounds`` interleaved rounds. The ``native``
-columns call the kernel at every M (the layer itself switches to ``dequant`` above
-``NATIVE_MAX_ROWS`` rows).
+columns (its variants: int16 activations = ``native``, ``native-int8``, ``native-float``) call
+the kernel at every M (the layer itself switches to ``dequant`` above ``NATIVE_MAX_ROWS`` rows).
 
-    python benchmarks/quant_kernels.py [--threads 1] [--rounds 5] [--quick]
+``--decode``: batch-1 decode tok/s of SmolLM2 (the GGUF; int8 and int4) with each native variant,
+engines run alternately round by round in one process.
+
+    python benchmarks/quant_kernels.py [--threads 1] [--rounds 5] [--quick] [--decode]
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from deepinfer.hardware import lscpu_model
-from deepinfer.quant.kernels import QuantPlan
+from deepinfer.quant.kernels import NATIVE_ACT_BITS, QuantPlan
 from deepinfer.quant.linear import QuantizedLinear, quantize_weight
 from deepinfer.quant.native import native_kernel, native_linear
 
@@ -42,7 +45,9 @@ def candidates(w: torch.Tensor) -> dict:
     if native_kernel().loaded:
         for scheme in ("int8", "int4"):
             q = quantize_weight(w, QuantPlan(scheme, "native"))
-            out[f"native {scheme}"] = lambda x, q=q: native_linear(x, q.codes, q.scale, q.offset, None, q.bits)
+            for variant, act_bits in NATIVE_ACT_BITS.items():
+                out[f"{variant} {scheme}"] = lambda x, q=q, a=act_bits: native_linear(
+                    x, q.codes, q.scale, q.offset, None, q.bits, a)
     out |= {"fbgemm int8 (lossy)": QuantizedLinear(quantize_weight(w, QuantPlan("int8", "fbgemm")), None,
                                                   "fbgemm", [w.shape[0]])}
     for scheme in ("int8", "int4"):
@@ -56,12 +61,37 @@ def candidates(w: torch.Tensor) -> dict:
     return out
 
 
+def decode(threads: int, rounds: int, tokens: int) -> None:
+    """Batch-1 decode tok/s per native variant and scheme, the engines alternating round by round."""
+    from deepinfer.llm import LLM
+    from deepinfer.sampling_params import SamplingParams
+
+    engines = {f"{scheme} {variant}": LLM(None, quantization=scheme, quantization_kernel=variant, threads=threads,
+                                          kv_cache_memory_gb=0.1, progress=False, host_cache_gb=0,
+                                          enable_disk_cache=False, enable_prefix_cache=False)
+               for scheme in ("int8", "int4") for variant in NATIVE_ACT_BITS}
+    params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
+    prompt = [[1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 28]]
+    best = dict.fromkeys(engines, 0.0)
+    for _ in range(rounds):
+        for name, llm in engines.items():
+            llm.generate(prompt, SamplingParams(max_tokens=2, temperature=0))  # warm
+            t0 = time.perf_counter()
+            out = llm.generate(prompt, params)[0]
+            best[name] = max(best[name], len(out.token_ids) / (time.perf_counter() - t0))
+    print("| scheme kernel | batch-1 decode tok/s |\n|---|---:|")
+    for name, rate in best.items():
+        print(f"| {name} | {rate:.1f} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--quick", action="store_true", help="one shape, one round (a smoke run)")
+    ap.add_argument("--decode", action="store_true", help="batch-1 decode tok/s per native variant instead")
+    ap.add_argument("--tokens", type=int, default=64, help="--decode: tokens per round")
     args = ap.parse_args()
     shapes = SHAPES[:1] if args.quick else SHAPES
     if args.quick:
@@ -69,6 +99,10 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     if not native_kernel().loaded:
         print(f"native kernel: {native_kernel().error}")
+    if args.decode:
+        print(f"CPU: {lscpu_model()}, {args.threads} thread(s), best of {args.rounds} alternating rounds")
+        decode(args.threads, 1 if args.quick else args.rounds, 8 if args.quick else args.tokens)
+        return
     print(f"CPU: {lscpu_model()}, torch {torch.__version__} ({torch.backends.cpu.get_cpu_capability()}), "
           f"{args.threads} thread(s); fp32 time / kernel time")
     rows = []
