@@ -21,7 +21,7 @@ class EngineConfig:
     device: str = "auto"  # auto: cuda if available else cpu
     threads: int | None = None  # intra-op compute threads; None: the cores this process may use
     quantization: str = "none"  # weight-only: none | int8 | int4 (every linear layer, LM head too)
-    quantization_kernel: str = "auto"  # auto (fastest here) | native | fbgemm | tinygemm | dequant
+    quantization_kernel: str = "auto"  # auto (fastest here) | native | native-int8 | native-float | fbgemm | tinygemm | dequant
     max_model_len: int | None = None  # default: the model's max_position_embeddings, capped at 8192
     # 16 tokens per page: a hit is lost at most 15 tokens short of the true prefix, while a page
     # of SmolLM2 KV (30 layers) is still 1.5 MB at fp32, large enough for efficient tier I/O.
