@@ -1,10 +1,11 @@
-"""Our own CPU kernel for int8 / int4 weights with fp32 activations (``csrc/qgemm.cpp``), built at
-first use.
+"""Our own CPU kernel for int8 / int4 weights and fp32 activations in and out (``csrc/qgemm.cpp``),
+built at first use.
 
-No kernel that ships with torch keeps activations in float and beats fp32 ``F.linear`` on AVX2
+No kernel that ships with torch keeps activations accurate and beats fp32 ``F.linear`` on AVX2
 CPUs, and batch-1 decode is bound by the bytes of weight it reads per token. So the kernel reads
-the codes (1 or 1/2 byte per value), widens them to fp32 in registers and multiplies them with the
-activations as they are.
+the codes (1 or 1/2 byte per value) and dots them in integers with the activations rounded once
+per call to int16 (or int8) codes per block of 32, or widens them to fp32 and keeps the
+activations as they are (``act_bits``).
 
 Built at first use by ``deepinfer/native_build.py`` (shared by all our C++ sources: cache key,
 build lock, AVX2 or scalar code). A failed build is not an error: ``native_kernel`` says why, and
@@ -20,7 +21,7 @@ import torch
 
 from ..native_build import DISABLE_ENV, NativeExtension, build_extension
 
-__all__ = ["DISABLE_ENV", "SOURCE", "native_codes", "native_kernel", "native_linear"]
+__all__ = ["DISABLE_ENV", "SOURCE", "native_kernel", "native_linear"]
 
 SOURCE = Path(__file__).parent / "csrc" / "qgemm.cpp"
 STEM = "deepinfer_qgemm"
