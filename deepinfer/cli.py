@@ -26,8 +26,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", default=d.quantization, choices=QUANTIZATIONS,
                    help="weight-only quantization of every linear layer, LM head included")
     p.add_argument("--quantization-kernel", default=d.quantization_kernel, choices=KERNELS,
-                   help="auto: the fastest kernel that keeps activations in float; native (ours, "
-                        "CPU); fbgemm (int8, also quantizes activations: lossy); tinygemm (int4, bf16); dequant")
+                   help="auto: the fastest accurate kernel here; native (ours, CPU, int16-rounded activations; "
+                        "native-int8: faster, lossy; native-float: exact); fbgemm (int8, lossy); tinygemm (int4, bf16); dequant")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--page-size", type=int, default=d.page_size)
     p.add_argument("--num-pages", type=int, default=None, help="device KV pool size in pages")
