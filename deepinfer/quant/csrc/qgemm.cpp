@@ -42,7 +42,7 @@
 namespace {
 
 constexpr int64_t GROUP = 32;
-constexpr int MAX_MT = 4;  // activation rows per pass over a weight row
+constexpr int MAX_MT = 8;  // activation rows per pass over a weight row (8 measured faster than 4)
 
 template <int BITS>
 constexpr int64_t group_bytes() { return BITS == 8 ? GROUP : GROUP / 2; }
@@ -314,7 +314,11 @@ void rows(const Rows& a, int64_t M, int64_t N, int64_t n0, int64_t n1, const uin
       case 1: tile<BITS, 1, ACT_BITS>(am, N, n0, n1, codes, scale, offset, bias, ym); break;
       case 2: tile<BITS, 2, ACT_BITS>(am, N, n0, n1, codes, scale, offset, bias, ym); break;
       case 3: tile<BITS, 3, ACT_BITS>(am, N, n0, n1, codes, scale, offset, bias, ym); break;
-      default: tile<BITS, 4, ACT_BITS>(am, N, n0, n1, codes, scale, offset, bias, ym); break;
+      case 4: tile<BITS, 4, ACT_BITS>(am, N, n0, n1, codes, scale, offset, bias, ym); break;
+      case 5: tile<BITS, 5, ACT_BITS>(am, N, n0, n1, codes, scale, offset, bias, ym); break;
+      case 6: tile<BITS, 6, ACT_BITS>(am, N, n0, n1, codes, scale, offset, bias, ym); break;
+      case 7: tile<BITS, 7, ACT_BITS>(am, N, n0, n1, codes, scale, offset, bias, ym); break;
+      default: tile<BITS, 8, ACT_BITS>(am, N, n0, n1, codes, scale, offset, bias, ym); break;
     }
   }
 }
