@@ -62,6 +62,7 @@ class ForwardBatch:
     decode_kv_lo: torch.Tensor | None = None  # [B] keys below are masked
     window_view: ForwardBatch | None = None  # what the window-group layers read (ring pages)
     window_layers: frozenset[int] = frozenset()
+    attention_backend: str = "auto"  # decode attention: auto (native kernel where it applies) | torch
     workspace: Workspace = field(default_factory=Workspace, repr=False)
     _masks: dict = field(default_factory=dict, repr=False)
     _rows: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)

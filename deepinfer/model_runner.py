@@ -140,6 +140,7 @@ class ModelRunner:
             prefills=segments,
             logits_indices=torch.tensor(logit_idx, device=dev, dtype=torch.long),
             workspace=self.workspace,
+            attention_backend=self.config.attention_backend,
         )
         if self.window is not None:
             self.window.attach(batch, decodes, prefills, self.device_kv.window_chunk_tokens)
