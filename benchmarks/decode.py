@@ -7,11 +7,13 @@ same position again, so the context stays fixed.
 
     python benchmarks/decode.py                                  # batch 1/8/32 at 2K context
     python benchmarks/decode.py --compare /path/to/other/checkout  # A/B vs another revision, interleaved
+    python benchmarks/decode.py --backends auto torch --quantization int4  # native decode attention vs gather + SDPA
     python benchmarks/decode.py --profile --batches 1            # where the step goes (torch.profiler)
     python benchmarks/decode.py --device cuda --prefill 512 2048 8192  # also prefill tokens/s
 
-With ``--compare`` each round runs both revisions in fresh processes, one after the other, and
-keeps each side's best round, so a burst of load from other processes hits both alike.
+With ``--compare`` (or several ``--backends``) each round runs every side in a fresh process, one
+after the other, and keeps each side's best round, so a burst of load from other processes hits
+all alike; ``ratio`` is each side's tokens/s over the first side's.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ def cpu_model() -> str:
 
 
 def measure(batch: int, context: int, steps: int, threads: int, profile: bool,
-            device: str = "auto") -> dict:
+            device: str = "auto", backend: str = "auto", quantization: str = "none") -> dict:
     """Seconds per decode step (best of ``steps``) of the deepinfer importable here."""
     import torch
 
@@ -47,7 +49,8 @@ def measure(batch: int, context: int, steps: int, threads: int, profile: bool,
     ps = 16
     pages_per_seq = -(-(context + 1) // ps)
     llm = LLM(num_pages=(batch + 1) * (pages_per_seq + 8) + 2, max_model_len=context + 64,
-              host_cache_gb=0, enable_disk_cache=False, progress=False, page_size=ps, device=device)
+              host_cache_gb=0, enable_disk_cache=False, progress=False, page_size=ps, device=device,
+              attention_backend=backend, quantization=quantization)
     runner = llm.engine.runner
     gen = torch.Generator().manual_seed(0)
     for buf in runner.pool.owned_buffers():
@@ -81,10 +84,13 @@ def measure(batch: int, context: int, steps: int, threads: int, profile: bool,
             step()
         events = prof.key_averages()
         total = sum(e.self_cpu_time_total for e in events)
-        mm = sum(e.self_cpu_time_total for e in events if e.key in ("aten::mm", "aten::addmm"))
+        mm = sum(e.self_cpu_time_total for e in events if e.key in MATMUL_OPS)
         out["matmul_share"] = mm / total
         out["profile"] = events.table(sort_by="self_cpu_time_total", row_limit=15)
     return out
+
+
+MATMUL_OPS = ("aten::mm", "aten::addmm", "deepinfer_quant::linear")
 
 
 def prefill_rates(lengths: list[int], device: str, rounds: int) -> list[dict]:
@@ -110,12 +116,12 @@ def prefill_rates(lengths: list[int], device: str, rounds: int) -> list[dict]:
     return rows
 
 
-def run_worker(src: Path, args: argparse.Namespace, batch: int) -> dict:
+def run_worker(src: Path, backend: str, args: argparse.Namespace, batch: int) -> dict:
     """``measure`` in a fresh process importing deepinfer from ``src``."""
     env = dict(os.environ, PYTHONPATH=str(src), OMP_NUM_THREADS=str(args.threads))
     cmd = [sys.executable, __file__, "--worker", "--batches", str(batch), "--context",
            str(args.context), "--steps", str(args.steps), "--threads", str(args.threads),
-           "--device", args.device]
+           "--device", args.device, "--backends", backend, "--quantization", args.quantization]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
     return json.loads(res.stdout.strip().splitlines()[-1])
 
@@ -129,6 +135,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--compare", type=Path, default=None, help="another checkout (its repo root)")
     p.add_argument("--device", default="auto")
+    p.add_argument("--backends", nargs="+", default=["auto"], help="decode attention backends to compare")
+    p.add_argument("--quantization", default="none")
     p.add_argument("--prefill", type=int, nargs="*", default=[], help="also prefill these lengths")
     p.add_argument("--profile", action="store_true")
     p.add_argument("--out", type=Path, default=Path("results/decode"))
@@ -136,28 +144,33 @@ def main() -> None:
     args = p.parse_args()
     if args.worker:
         print(json.dumps(measure(args.batches[0], args.context, args.steps, args.threads, False,
-                                 args.device)))
+                                 args.device, args.backends[0], args.quantization)))
         return
     if args.profile:
         for b in args.batches:
-            r = measure(b, args.context, args.steps, args.threads, True, args.device)
+            r = measure(b, args.context, args.steps, args.threads, True, args.device, args.backends[0],
+                        args.quantization)
             print(f"batch {b}, context {args.context}: {r['step_s'] * 1000:.1f} ms per step, "
                   f"matmul {r['matmul_share']:.0%} of CPU time\n{r['profile']}")
         return
     here = Path(__file__).resolve().parent.parent
-    sides = {"this": here} | ({"compare": args.compare.resolve()} if args.compare else {})
+    checkouts = {"this": here} | ({"compare": args.compare.resolve()} if args.compare else {})
+    sides = {(name if len(args.backends) == 1 else f"{name}_{backend}"): (src, backend)
+             for name, src in checkouts.items() for backend in args.backends}
     rows = []
     for b in args.batches:
         best = {name: float("inf") for name in sides}
         for _ in range(args.rounds):
-            for name, src in sides.items():
-                best[name] = min(best[name], run_worker(src, args, b)["step_s"])
+            for name, (src, backend) in sides.items():
+                best[name] = min(best[name], run_worker(src, backend, args, b)["step_s"])
         row = {"batch": b, "context": args.context} | {f"{n}_tok_s": b / s for n, s in best.items()}
-        if args.compare:
-            row["ratio"] = best["compare"] / best["this"]
+        first = next(iter(best))
+        if len(sides) > 1:
+            row["ratio"] = {n: best[first] / s for n, s in best.items()}
         rows.append(row)
         print(json.dumps(row), flush=True)
     summary = {"cpu": cpu_model(), "device": args.device, "threads": args.threads,
+               "quantization": args.quantization, "backends": args.backends,
                "rounds": args.rounds, "rows": rows}
     if args.prefill:
         summary["prefill"] = prefill_rates(args.prefill, args.device, args.rounds)
@@ -165,7 +178,7 @@ def main() -> None:
             print(json.dumps(row), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2))
-    print(f"CPU: {summary['cpu']}, {args.threads} thread(s); tokens/s per side, best of "
+    print(f"CPU: {summary['cpu']}, {args.threads} thread(s), quantization {args.quantization}; tokens/s per side, best of "
           f"{args.rounds} interleaved rounds")
 
 

@@ -69,29 +69,63 @@ inline __m256 exp8(__m256 x) {
 }
 #endif
 
+// s[t] = q . k[t] for t < n; four keys at a time, so the FMAs of one key do not wait on each other
 template <typename T>
-inline float dot(const float* q, const T* k, int64_t n) {
-  int64_t d = 0;
-  float s = 0.f;
+inline void scores(const float* q, const T* const* k, int64_t n, int64_t D, float* s) {
+  int64_t t = 0;
 #ifdef __AVX2__
-  __m256 acc = _mm256_setzero_ps();
-  for (; d + 8 <= n; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load8(k + d), acc);
-  s = hsum(acc);
+  if (D % 8 == 0) {
+    for (; t + 4 <= n; t += 4) {
+      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+      for (int64_t d = 0; d < D; d += 8) {
+        const __m256 qv = _mm256_loadu_ps(q + d);
+        a0 = _mm256_fmadd_ps(qv, load8(k[t] + d), a0);
+        a1 = _mm256_fmadd_ps(qv, load8(k[t + 1] + d), a1);
+        a2 = _mm256_fmadd_ps(qv, load8(k[t + 2] + d), a2);
+        a3 = _mm256_fmadd_ps(qv, load8(k[t + 3] + d), a3);
+      }
+      s[t] = hsum(a0), s[t + 1] = hsum(a1), s[t + 2] = hsum(a2), s[t + 3] = hsum(a3);
+    }
+    for (; t < n; ++t) {
+      __m256 a = _mm256_setzero_ps();
+      for (int64_t d = 0; d < D; d += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load8(k[t] + d), a);
+      s[t] = hsum(a);
+    }
+  }
 #endif
-  for (; d < n; ++d) s += q[d] * static_cast<float>(k[d]);
-  return s;
+  for (; t < n; ++t) {
+    float a = 0.f;
+    for (int64_t d = 0; d < D; ++d) a += q[d] * static_cast<float>(k[t][d]);
+    s[t] = a;
+  }
 }
 
-// acc[0:n] = acc * c + p * v
+// acc[0:Dv] = acc * c + sum_t p[t] * v[t]: 64 dims of acc stay in registers over the block's keys
 template <typename T>
-inline void scale_add(float* acc, float c, float p, const T* v, int64_t n) {
+inline void accumulate(float* acc, float c, const float* p, const T* const* v, int64_t n, int64_t Dv) {
   int64_t d = 0;
 #ifdef __AVX2__
-  const __m256 cv = _mm256_set1_ps(c), pv = _mm256_set1_ps(p);
-  for (; d + 8 <= n; d += 8)
-    _mm256_storeu_ps(acc + d, _mm256_fmadd_ps(pv, load8(v + d), _mm256_mul_ps(cv, _mm256_loadu_ps(acc + d))));
+  const __m256 cv = _mm256_set1_ps(c);
+  for (; d + 64 <= Dv; d += 64) {
+    __m256 a[8];
+    for (int i = 0; i < 8; ++i) a[i] = _mm256_mul_ps(cv, _mm256_loadu_ps(acc + d + 8 * i));
+    for (int64_t t = 0; t < n; ++t) {
+      const __m256 pv = _mm256_set1_ps(p[t]);
+      for (int i = 0; i < 8; ++i) a[i] = _mm256_fmadd_ps(pv, load8(v[t] + d + 8 * i), a[i]);
+    }
+    for (int i = 0; i < 8; ++i) _mm256_storeu_ps(acc + d + 8 * i, a[i]);
+  }
+  for (; d + 8 <= Dv; d += 8) {
+    __m256 a = _mm256_mul_ps(cv, _mm256_loadu_ps(acc + d));
+    for (int64_t t = 0; t < n; ++t) a = _mm256_fmadd_ps(_mm256_set1_ps(p[t]), load8(v[t] + d), a);
+    _mm256_storeu_ps(acc + d, a);
+  }
 #endif
-  for (; d < n; ++d) acc[d] = acc[d] * c + p * static_cast<float>(v[d]);
+  for (; d < Dv; ++d) {
+    float a = acc[d] * c;
+    for (int64_t t = 0; t < n; ++t) a += p[t] * static_cast<float>(v[t][d]);
+    acc[d] = a;
+  }
 }
 
 // s[0:n] = exp(s - m); returns their sum (added in a fixed order)
@@ -136,26 +170,26 @@ void attend_chunk(const Item& it, int64_t h, const T* q, const T* k, const T* v,
   }
   const int64_t first = kv_start ? kv_start[it.b] : 0;
   const int64_t* table = pages + it.b * width;
-  std::vector<const T*> vrow(kBlock);
+  const T* krow[kBlock];
+  const T* vrow[kBlock];
   for (int64_t pos0 = it.begin; pos0 < it.end; pos0 += kBlock) {
     const int64_t n = std::min(kBlock, it.end - pos0);
     for (int64_t t = 0; t < n; ++t) {
       const int64_t j = pos0 + t - first;
       const int64_t page = table[j / S], off = j % S;
-      const T* kr = k + page * ks[0] + off * ks[1] + h * ks[2];
+      krow[t] = k + page * ks[0] + off * ks[1] + h * ks[2];
       vrow[t] = v + page * vs[0] + off * vs[1] + h * vs[2];
-      for (int64_t g = 0; g < G; ++g) sc[g * kBlock + t] = dot(qf.data() + g * D, kr, D);
     }
     for (int64_t g = 0; g < G; ++g) {
+      const float* qg = qf.data() + g * D;
       float* s = sc.data() + g * kBlock;
+      scores(qg, krow, n, D, s);
       float* p = part + g * row;
       const float m_new = std::max(p[0], *std::max_element(s, s + n));
       const float c = std::exp(p[0] - m_new);  // 0 for the first block (max -inf)
       p[1] = p[1] * c + exp_sum(s, m_new, n);
       p[0] = m_new;
-      float* acc = p + 2;
-      scale_add(acc, c, s[0], vrow[0], Dv);
-      for (int64_t t = 1; t < n; ++t) scale_add(acc, 1.f, s[t], vrow[t], Dv);
+      accumulate(p + 2, c, s, vrow, n, Dv);
     }
   }
 }
