@@ -117,9 +117,9 @@ def test_values_inside_keys_mla(kernel):
 @pytest.mark.parametrize("dim", [20, 72])  # not a multiple of 8 / a 64-wide block plus 8
 def test_head_dims_off_the_vector_width(kernel, dim):
     g = torch.Generator().manual_seed(dim)
-    k, v = torch.randn(30, 4, 2, dim, generator=g), torch.randn(30, 4, 2, dim, generator=g)
+    k, v = torch.randn(40, 4, 2, dim, generator=g), torch.randn(40, 4, 2, dim, generator=g)
     q = torch.randn(3, 6, dim, generator=g)
-    batch = _batch([5, 41, 77], 30, 4, "auto")
+    batch = _batch([5, 41, 77], 40, 4, "auto")
     got = decode_attention(q, k, v, batch, dim ** -0.5)
     assert (got.double() - _dense(q, k, v, batch, dim ** -0.5)).abs().max().item() < 1e-5
 
