@@ -11,9 +11,10 @@ same position again, so the context stays fixed.
     python benchmarks/decode.py --profile --batches 1            # where the step goes (torch.profiler)
     python benchmarks/decode.py --device cuda --prefill 512 2048 8192  # also prefill tokens/s
 
-With ``--compare`` (or several ``--backends``) each round runs every side in a fresh process, one
-after the other, and keeps each side's best round, so a burst of load from other processes hits
-all alike; ``ratio`` is each side's tokens/s over the first side's.
+With ``--compare`` each round runs both revisions in fresh processes, one after the other, and
+keeps each side's best round, so a burst of load from other processes hits both alike; several
+``--backends`` take turns step by step within each process. ``ratio`` is each side's tokens/s
+over the first side's (``cpu_ratio``: the same from the process's CPU seconds per step).
 """
 
 from __future__ import annotations
@@ -37,8 +38,10 @@ def cpu_model() -> str:
 
 
 def measure(batch: int, context: int, steps: int, threads: int, profile: bool,
-            device: str = "auto", backend: str = "auto", quantization: str = "none") -> dict:
-    """Seconds per decode step (best of ``steps``) of the deepinfer importable here."""
+            device: str = "auto", backends: tuple[str, ...] = ("auto",), quantization: str = "none") -> dict:
+    """Seconds per decode step (best of ``steps``) of the deepinfer importable here, per decode
+    attention backend; the backends take turns step by step in this one process (the runner
+    reads ``config.attention_backend`` at each step; a checkout without it ignores it)."""
     import torch
 
     from deepinfer.llm import LLM
@@ -50,7 +53,7 @@ def measure(batch: int, context: int, steps: int, threads: int, profile: bool,
     pages_per_seq = -(-(context + 1) // ps)
     llm = LLM(num_pages=(batch + 1) * (pages_per_seq + 8) + 2, max_model_len=context + 64,
               host_cache_gb=0, enable_disk_cache=False, progress=False, page_size=ps, device=device,
-              attention_backend=backend, quantization=quantization)
+              quantization=quantization, threads=threads)  # the engine sets its thread count itself
     runner = llm.engine.runner
     gen = torch.Generator().manual_seed(0)
     for buf in runner.pool.owned_buffers():
@@ -67,15 +70,18 @@ def measure(batch: int, context: int, steps: int, threads: int, profile: bool,
         sampled, logits = runner.forward(items)
         runner.sample(sampled, logits)
 
-    step()  # warm-up
-    times = []
-    for _ in range(steps):
-        sync()
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    times.sort()
-    out = {"batch": batch, "context": context, "step_s": times[0]}
+    wall = {b: float("inf") for b in backends}
+    cpu = dict(wall)  # CPU seconds of the process: less inflated than wall time by other processes
+    for i in range(steps + 1):
+        for backend in backends:
+            runner.config.attention_backend = backend
+            sync()
+            t0, c0 = time.perf_counter(), time.process_time()
+            step()
+            if i:  # the first round warms up
+                wall[backend] = min(wall[backend], time.perf_counter() - t0)
+                cpu[backend] = min(cpu[backend], time.process_time() - c0)
+    out = {"batch": batch, "context": context, "step_s": wall, "cpu_s": cpu}
     if profile:
         from torch.profiler import ProfilerActivity
         from torch.profiler import profile as torch_profile
@@ -116,12 +122,12 @@ def prefill_rates(lengths: list[int], device: str, rounds: int) -> list[dict]:
     return rows
 
 
-def run_worker(src: Path, backend: str, args: argparse.Namespace, batch: int) -> dict:
+def run_worker(src: Path, args: argparse.Namespace, batch: int) -> dict:
     """``measure`` in a fresh process importing deepinfer from ``src``."""
     env = dict(os.environ, PYTHONPATH=str(src), OMP_NUM_THREADS=str(args.threads))
     cmd = [sys.executable, __file__, "--worker", "--batches", str(batch), "--context",
            str(args.context), "--steps", str(args.steps), "--threads", str(args.threads),
-           "--device", args.device, "--backends", backend, "--quantization", args.quantization]
+           "--device", args.device, "--backends", *args.backends, "--quantization", args.quantization]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
     return json.loads(res.stdout.strip().splitlines()[-1])
 
@@ -144,29 +150,37 @@ def main() -> None:
     args = p.parse_args()
     if args.worker:
         print(json.dumps(measure(args.batches[0], args.context, args.steps, args.threads, False,
-                                 args.device, args.backends[0], args.quantization)))
+                                 args.device, tuple(args.backends), args.quantization)))
         return
     if args.profile:
         for b in args.batches:
-            r = measure(b, args.context, args.steps, args.threads, True, args.device, args.backends[0],
+            r = measure(b, args.context, args.steps, args.threads, True, args.device, tuple(args.backends[:1]),
                         args.quantization)
-            print(f"batch {b}, context {args.context}: {r['step_s'] * 1000:.1f} ms per step, "
+            print(f"batch {b}, context {args.context}, {args.backends[0]} attention: "
+                  f"{r['step_s'][args.backends[0]] * 1000:.1f} ms per step, "
                   f"matmul {r['matmul_share']:.0%} of CPU time\n{r['profile']}")
         return
     here = Path(__file__).resolve().parent.parent
     checkouts = {"this": here} | ({"compare": args.compare.resolve()} if args.compare else {})
-    sides = {(name if len(args.backends) == 1 else f"{name}_{backend}"): (src, backend)
-             for name, src in checkouts.items() for backend in args.backends}
+    def side(name: str, backend: str) -> str:
+        return name if len(args.backends) == 1 else f"{name}_{backend}"
+
     rows = []
     for b in args.batches:
-        best = {name: float("inf") for name in sides}
+        best: dict[str, float] = {}
+        best_cpu: dict[str, float] = {}
         for _ in range(args.rounds):
-            for name, (src, backend) in sides.items():
-                best[name] = min(best[name], run_worker(src, backend, args, b)["step_s"])
+            for name, src in checkouts.items():
+                r = run_worker(src, args, b)
+                for backend in args.backends:
+                    key = side(name, backend)
+                    best[key] = min(best.get(key, float("inf")), r["step_s"][backend])
+                    best_cpu[key] = min(best_cpu.get(key, float("inf")), r["cpu_s"][backend])
         row = {"batch": b, "context": args.context} | {f"{n}_tok_s": b / s for n, s in best.items()}
         first = next(iter(best))
-        if len(sides) > 1:
+        if len(best) > 1:
             row["ratio"] = {n: best[first] / s for n, s in best.items()}
+            row["cpu_ratio"] = {n: best_cpu[first] / s for n, s in best_cpu.items()}
         rows.append(row)
         print(json.dumps(row), flush=True)
     summary = {"cpu": cpu_model(), "device": args.device, "threads": args.threads,
@@ -178,7 +192,8 @@ def main() -> None:
             print(json.dumps(row), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "summary.json").write_text(json.dumps(summary, indent=2))
-    print(f"CPU: {summary['cpu']}, {args.threads} thread(s), quantization {args.quantization}; tokens/s per side, best of "
+    print(f"CPU: {summary['cpu']}, {args.threads} thread(s), quantization {args.quantization}; "
+          f"tokens/s per side, best of "
           f"{args.rounds} interleaved rounds")
 
 

@@ -34,6 +34,7 @@ namespace {
 
 constexpr int64_t kSplit = 256;  // keys per work item
 constexpr int64_t kBlock = 32;   // keys scored before one rescale
+constexpr int64_t kMinParallel = 8192;  // query-key pairs of a call worth a parallel region
 
 using bf16 = c10::BFloat16;
 
@@ -207,7 +208,12 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   const T* vp = v_cache.data_ptr<T>();
   const int64_t* pp = pages.data_ptr<int64_t>();
   const auto ks = k_cache.strides(), vs = v_cache.strides();
-  at::parallel_for(0, n_items * Hkv, 1, [&](int64_t lo, int64_t hi) {
+  // Items of fewer query-key pairs than kMinParallel together run on this thread: a parallel
+  // region costs more than they do (and far more when another process holds a core).
+  int64_t keys = 0;
+  for (const Item& it : items) keys += it.end - it.begin;
+  const int64_t grain = keys * Hq >= kMinParallel ? 1 : std::max<int64_t>(1, n_items * Hkv);
+  at::parallel_for(0, n_items * Hkv, grain, [&](int64_t lo, int64_t hi) {
     std::vector<float> qf(G * D), sc(G * kBlock);
     for (int64_t w = lo; w < hi; ++w) {
       const int64_t i = w / Hkv, h = w % Hkv;
@@ -216,7 +222,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
     }
   });
   T* op = out.data_ptr<T>();
-  at::parallel_for(0, B * Hkv, 1, [&](int64_t lo, int64_t hi) {
+  at::parallel_for(0, B * Hkv, grain == 1 ? 16 : std::max<int64_t>(1, B * Hkv), [&](int64_t lo, int64_t hi) {
     std::vector<float> acc(Dv);
     for (int64_t w = lo; w < hi; ++w) {
       const int64_t b = w / Hkv, h = w % Hkv;
