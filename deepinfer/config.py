@@ -65,6 +65,8 @@ class EngineConfig:
     # overlap.py: the engine schedules step N+1 and lands N-1 while N's forward runs on a worker
     # thread; outputs are identical either way
     overlap_schedule: bool = False
+    # decode attention: auto (our CPU kernel reading pages in place, where it applies) | torch
+    attention_backend: str = "auto"
     seed: int = 0
     progress: bool = True
 
@@ -109,6 +111,11 @@ class EngineConfig:
         if self.quantization_kernel not in KERNELS:
             raise ValueError(f"quantization_kernel must be one of {', '.join(KERNELS)}, "
                              f"got {self.quantization_kernel!r}")
+        from .layers.native_decode import ATTENTION_BACKENDS
+
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
+                             f"got {self.attention_backend!r}")
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be auto or one of {sorted(_DTYPES)}, got {self.dtype!r}")
 

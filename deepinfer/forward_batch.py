@@ -69,6 +69,7 @@ class ForwardBatch:
     # layer-wise loads of the prefills' cached KV (kv/tiers/layer_stream.py): layer i waits
     # for their layer i
     layer_loads: tuple[LayerLoads, ...] = ()
+    attention_backend: str = "auto"  # decode attention: auto (native kernel where it applies) | torch
     workspace: Workspace = field(default_factory=Workspace, repr=False)
     _masks: dict = field(default_factory=dict, repr=False)
     _rows: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)

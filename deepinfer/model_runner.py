@@ -142,6 +142,7 @@ class ModelRunner:
             layer_loads=tuple(r.kv_load.layers for r, _ in items  # (a 1-token tail is a "decode")
                               if r.kv_load is not None and r.kv_load.layers is not None),
             workspace=self.workspace,
+            attention_backend=self.config.attention_backend,
         )
         if self.window is not None:
             self.window.attach(batch, decodes, prefills, self.device_kv.window_chunk_tokens)

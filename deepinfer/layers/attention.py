@@ -6,9 +6,11 @@ sequence. Decodes are batched: one ``index_select`` per cache, with row indices 
 builds once per step for all layers, copies every decode's keys straight into the
 ``[B, kv_heads, L, dim]`` layout attention reads (padded, masked), in a workspace reused by
 every layer; on the SDPA path the query heads sharing a KV head are folded into the
-query-length dimension, so grouped-query attention needs no repeated K/V. Each prefill chunk
-runs on its own so its causal mask can start mid-sequence; on CPU a chunk after cached keys
-needs no mask at all (``chunk_attention.py``). Plain torch ops: runs on CPU and CUDA.
+query-length dimension, so grouped-query attention needs no repeated K/V. On the CPU our native
+kernel (``native_decode.py``) replaces that gather and SDPA: it reads the pages in place. Each
+prefill chunk runs on its own so its causal mask can start mid-sequence; on CPU a chunk after
+cached keys needs no mask at all (``chunk_attention.py``). Apart from the native kernel, plain
+torch ops: runs on CPU and CUDA.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch.nn.functional as F
 
 from ..forward_batch import ForwardBatch
 from .chunk_attention import prefix_then_causal, splits_at_prefix
+from .native_decode import decode_backend, native_decode
 
 
 def store_kv(cache: torch.Tensor, x: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -59,7 +62,10 @@ def _gather_decode(cache: torch.Tensor, batch: ForwardBatch, name: str) -> torch
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                      batch: ForwardBatch, scale: float, window: int | None = None,
                      softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """q [B, Hq, D] of the batch's decodes -> [B, Hq, Dv], over their gathered pages."""
+    """q [B, Hq, D] of the batch's decodes -> [B, Hq, Dv]: read in place by the native kernel
+    where it applies (``native_decode.decode_backend``), else over their gathered pages."""
+    if decode_backend(q, k_cache, v_cache, batch, softcap, sinks) == "native":
+        return native_decode(q, k_cache, v_cache, batch, scale, window)
     B, Hq, D = q.shape
     Hkv = k_cache.shape[2]
     k = _gather_decode(k_cache, batch, "k")

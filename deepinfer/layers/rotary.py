@@ -1,7 +1,9 @@
 """Rotary position embeddings with a precomputed cos/sin table indexed by absolute position.
 
 Positions come from the batch (not from sequence order), which is what lets a prefill chunk
-start in the middle of a sequence whose prefix came from the cache.
+start in the middle of a sequence whose prefix came from the cache. Float32 on the CPU, NeoX
+halves over the whole head run our native op (``native_ops.py``: one call instead of about ten,
+the same bits); the other cases, torch's.
 """
 
 from __future__ import annotations
@@ -9,6 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from .native_ops import small_ops_apply
 
 
 def rope_inv_freq(config, head_dim: int, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
@@ -60,6 +64,10 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor, inverse: bool = False) -> torch.Tensor:
         """Rotate ``x`` of shape [T, heads, head_dim] (``rot_dim`` of its dims) by position;
         ``inverse`` rotates by minus the position (undoes the rotation)."""
+        if (not inverse and not self.interleaved and x.shape[-1] == self.rot_dim and x.dim() == 3
+                and x.stride(-1) == 1 and positions.dtype == torch.long and positions.dim() == 1
+                and small_ops_apply(x) and self.cos.device.type == "cpu"):
+            return torch.ops.deepinfer_ops.rotate(x, self.cos, self.sin, positions.contiguous())
         cos, sin = self._tables(positions)
         if inverse:
             sin = -sin

@@ -13,7 +13,8 @@ from deepinfer.layers.attention import decode_attention
 PS = 4
 
 
-def _batch(lens: list[int], num_pages: int, workspace: Workspace | None = None) -> ForwardBatch:
+def _batch(lens: list[int], num_pages: int, workspace: Workspace | None = None,
+           backend: str = "auto") -> ForwardBatch:
     g = torch.Generator().manual_seed(1)
     perm = (torch.randperm(num_pages - 1, generator=g) + 1).tolist()  # pages scattered, 0 is padding
     width = max(-(-n // PS) for n in lens)
@@ -25,7 +26,7 @@ def _batch(lens: list[int], num_pages: int, workspace: Workspace | None = None) 
                         positions=torch.tensor(lens) - 1, slot_mapping=torch.zeros(len(lens)),
                         page_size=PS, num_decodes=len(lens), decode_pages=torch.tensor(tables),
                         decode_kv_lens=torch.tensor(lens), prefills=[], logits_indices=torch.arange(len(lens)),
-                        workspace=workspace or Workspace())
+                        workspace=workspace or Workspace(), attention_backend=backend)
 
 
 def _reference(q, k_cache, v_cache, batch, scale, window=None, softcap=None, sinks=None):
@@ -49,11 +50,12 @@ def _reference(q, k_cache, v_cache, batch, scale, window=None, softcap=None, sin
 
 @pytest.mark.parametrize("window,softcap,with_sinks", [(None, None, False), (5, None, False),
                                                         (None, 30.0, False), (6, None, True)])
-def test_decode_attention_matches_per_sequence_reference(window, softcap, with_sinks):
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_decode_attention_matches_per_sequence_reference(window, softcap, with_sinks, backend):
     g = torch.Generator().manual_seed(0)
     Hq, Hkv, D, num_pages = 6, 2, 8, 40
     lens = [9, 1, 16, 13]  # ragged: padded rows are masked
-    batch = _batch(lens, num_pages)
+    batch = _batch(lens, num_pages, backend=backend)
     k_cache = torch.randn(num_pages, PS, Hkv, D, generator=g)
     v_cache = torch.randn(num_pages, PS, Hkv, D, generator=g)
     q = torch.randn(len(lens), Hq, D, generator=g)
@@ -65,11 +67,12 @@ def test_decode_attention_matches_per_sequence_reference(window, softcap, with_s
     assert (got.double() - want).abs().max().item() < 1e-5
 
 
-def test_mla_values_are_a_slice_of_the_cached_keys():
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_mla_values_are_a_slice_of_the_cached_keys(backend):
     g = torch.Generator().manual_seed(2)
     H, r, rope, num_pages = 4, 8, 4, 20
     cache = torch.randn(num_pages, PS, 1, r + rope, generator=g)
-    batch = _batch([7, 12], num_pages)
+    batch = _batch([7, 12], num_pages, backend=backend)
     q = torch.randn(2, H, r + rope, generator=g)
     scale = 1 / math.sqrt(r + rope)
     got = decode_attention(q, cache, cache[..., :r], batch, scale)
@@ -79,11 +82,11 @@ def test_mla_values_are_a_slice_of_the_cached_keys():
 
 
 def test_layers_of_a_step_gather_into_one_workspace():
-    """No per-layer allocation: every layer's decode K/V land in the same buffers, and the row
-    index is built once per step."""
+    """No per-layer allocation on the torch path: every layer's decode K/V land in the same
+    buffers, and the row index is built once per step."""
     g = torch.Generator().manual_seed(3)
     ws = Workspace()
-    batch = _batch([5, 11], 16, ws)
+    batch = _batch([5, 11], 16, ws, backend="torch")
     caches = [torch.randn(16, PS, 2, 8, generator=g) for _ in range(2)]
     q = torch.randn(2, 4, 8, generator=g)
     decode_attention(q, caches[0], caches[1], batch, 0.3)

@@ -120,6 +120,7 @@ class WindowPool:
             decode_pages=torch.tensor(dec_pages, device=dev) if decodes else None,
             decode_kv_lens=batch.decode_kv_lens, prefills=segments,
             logits_indices=batch.logits_indices, workspace=batch.workspace,
+            attention_backend=batch.attention_backend,
             decode_kv_start=torch.tensor(dec_start, device=dev) if decodes else None,
             decode_kv_lo=torch.tensor(dec_lo, device=dev) if decodes else None)
 

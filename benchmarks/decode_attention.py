@@ -1,0 +1,79 @@
+"""Decode attention alone, one layer of SmolLM2-135M's shape (9 q heads, 3 kv heads, dim 64,
+16-token pages): the torch path (gather every page into the workspace, then SDPA) vs our native
+kernel reading the pages in place, interleaved call by call in one process (best of ``--reps``
+per side), per batch size and context.
+
+    python benchmarks/decode_attention.py [--batches 1 8 32] [--contexts 128 2700] [--threads 2]
+
+Prints the CPU model with the results; one layer's time x 30 is what a SmolLM2 step spends on it.
+"""
+
+from __future__ import annotations
+
+import deepinfer  # noqa: F401  (first: sets the OpenMP wait policy before torch loads)
+
+import argparse
+import json
+import time
+
+import torch
+
+from deepinfer.forward_batch import ForwardBatch, Workspace
+from deepinfer.hardware import lscpu_model
+from deepinfer.layers.attention import decode_attention
+from deepinfer.layers.native_decode import native_decode_kernel
+
+HQ, HKV, DIM, PAGE = 9, 3, 64, 16
+
+
+def make_batch(batch: int, context: int, backend: str, workspace: Workspace) -> ForwardBatch:
+    pages_per_seq = -(-context // PAGE)
+    perm = torch.randperm(batch * pages_per_seq, generator=torch.Generator().manual_seed(0)) + 1
+    return ForwardBatch(input_ids=torch.zeros(batch, dtype=torch.long), positions=torch.full((batch,), context - 1),
+                        slot_mapping=torch.zeros(batch, dtype=torch.long), page_size=PAGE, num_decodes=batch,
+                        decode_pages=perm.view(batch, pages_per_seq), decode_kv_lens=torch.full((batch,), context),
+                        prefills=[], logits_indices=torch.arange(batch), workspace=workspace,
+                        attention_backend=backend)
+
+
+def measure(batch: int, context: int, reps: int, dtype: torch.dtype) -> dict:
+    g = torch.Generator().manual_seed(1)
+    num_pages = batch * -(-context // PAGE) + 1
+    k = torch.randn(num_pages, PAGE, HKV, DIM, generator=g).to(dtype)
+    v = torch.randn(num_pages, PAGE, HKV, DIM, generator=g).to(dtype)
+    q = torch.randn(batch, HQ, DIM, generator=g).to(dtype)
+    ws = Workspace()
+    best = {"torch": float("inf"), "native": float("inf")}
+    for _ in range(reps):
+        for side, backend in (("torch", "torch"), ("native", "auto")):
+            b = make_batch(batch, context, backend, ws)  # a new batch per step, as the runner builds
+            t0 = time.perf_counter()
+            decode_attention(q, k, v, b, DIM ** -0.5)
+            best[side] = min(best[side], time.perf_counter() - t0)
+    return {"batch": batch, "context": context, "dtype": str(dtype).removeprefix("torch."),
+            "torch_ms": best["torch"] * 1e3, "native_ms": best["native"] * 1e3,
+            "speedup": best["torch"] / best["native"]}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--contexts", type=int, nargs="+", default=[128, 2700])
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--reps", type=int, default=30)
+    p.add_argument("--dtypes", nargs="+", default=["float32"], choices=["float32", "bfloat16"])
+    args = p.parse_args()
+    kernel = native_decode_kernel()
+    if not kernel.loaded:
+        raise SystemExit(f"native decode attention unavailable: {kernel.error}")
+    torch.set_num_threads(args.threads)
+    for dtype in args.dtypes:
+        for c in args.contexts:
+            for b in args.batches:
+                print(json.dumps(measure(b, c, args.reps, getattr(torch, dtype))), flush=True)
+    print(f"CPU: {lscpu_model()}, {args.threads} thread(s), kernel {kernel.isa}; one layer, best of "
+          f"{args.reps} interleaved calls per side")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,106 @@
+"""The native small ops (``layers/native_ops.py``): rotary and RMSNorm (with the residual add)
+against torch's code paths they replace, on the shapes and strides the models pass; the same
+bits on any thread count; torch's code where they do not apply or are disabled."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from deepinfer import native_build
+from deepinfer.layers import norm, rotary
+from deepinfer.layers.native_ops import small_ops_apply, small_ops_kernel
+from deepinfer.layers.norm import RMSNorm
+from deepinfer.layers.rotary import RotaryEmbedding
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    k = small_ops_kernel()
+    if not k.loaded:
+        pytest.skip(k.error)
+    return k
+
+
+def _torch_only(monkeypatch) -> None:
+    monkeypatch.setattr(norm, "small_ops_apply", lambda x: False)
+    monkeypatch.setattr(rotary, "small_ops_apply", lambda x: False)
+
+
+def _rotary(dim: int = 64, scaling: float = 0.9) -> RotaryEmbedding:
+    return RotaryEmbedding(1.0 / 10000 ** (torch.arange(0, dim, 2).float() / dim), 4096, scaling=scaling)
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 200])
+def test_rotary_same_bits_as_torch_on_fused_projection_views(kernel, monkeypatch, tokens):
+    g = torch.Generator().manual_seed(tokens)
+    qkv = torch.randn(tokens, (9 + 3 + 3) * 64, generator=g)
+    q, k, _ = qkv.split([9 * 64, 3 * 64, 3 * 64], dim=-1)  # strided views, as the models pass them
+    q, k = q.view(tokens, 9, 64), k.view(tokens, 3, 64)
+    positions = torch.randint(0, 4096, (tokens,), generator=g)
+    rot = _rotary()
+    got = rot(positions, q), rot(positions, k)
+    _torch_only(monkeypatch)
+    want = rot(positions, q), rot(positions, k)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_rotary_cases_left_to_torch(kernel):
+    rot = _rotary(32, scaling=1.0)
+    x = torch.randn(2, 4, 64)  # partial rotary: 32 of 64 dims
+    positions = torch.tensor([5, 9])
+    inv = rot(positions, rot(positions, x), inverse=True)  # inverse runs torch's code
+    assert (inv - x).abs().max() < 1e-5
+    assert not small_ops_apply(x.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("unit_offset", [False, True])
+@pytest.mark.parametrize("shape", [(1, 576), (130, 64), (5, 4, 16)])  # decode, prefill rows, q_norm heads
+def test_rms_norm_matches_torch(kernel, monkeypatch, unit_offset, shape):
+    g = torch.Generator().manual_seed(sum(shape))
+    layer = RMSNorm(shape[-1], 1e-5, unit_offset=unit_offset)
+    layer.weight.data = torch.randn(shape[-1], generator=g)
+    x, r = torch.randn(*shape, generator=g), torch.randn(*shape, generator=g)
+    got = layer(x)
+    s, n = layer.add_forward(x.reshape(-1, shape[-1]), r.reshape(-1, shape[-1]))
+    _torch_only(monkeypatch)
+    want = layer(x)
+    want_s, want_n = layer.add_forward(x.reshape(-1, shape[-1]), r.reshape(-1, shape[-1]))
+    assert got.shape == want.shape and (got - want).abs().max() <= 1e-6 * want.abs().max()
+    assert torch.equal(s, want_s) and (n - want_n).abs().max() <= 1e-6 * want_n.abs().max()
+
+
+def test_same_bits_on_any_thread_count(kernel):
+    before = torch.get_num_threads()
+    x = torch.randn(300, 576)
+    rot, layer = _rotary(), RMSNorm(576)
+    q = torch.randn(300, 9, 64)
+    positions = torch.arange(300)
+    outs = []
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            outs.append((layer(x), layer.add_forward(x, x)[1], rot(positions, q)))
+    finally:
+        torch.set_num_threads(before)
+    for other in outs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(outs[0], other))
+
+
+def test_disabled_build_leaves_torch_code(monkeypatch):
+    small_ops_kernel.cache_clear()
+    monkeypatch.setenv(native_build.DISABLE_ENV, "1")
+    try:
+        x = torch.randn(3, 64)
+        assert not small_ops_apply(x)
+        layer = RMSNorm(64)
+        assert torch.equal(layer(x), F.rms_norm(x, (64,), layer.weight, 1e-6))
+    finally:
+        monkeypatch.undo()
+        small_ops_kernel.cache_clear()
+
+
+def test_position_beyond_the_table_is_an_error(kernel):
+    with pytest.raises(RuntimeError, match="beyond the rotary table"):
+        _rotary()(torch.tensor([5000]), torch.randn(1, 2, 64))
