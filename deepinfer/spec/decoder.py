@@ -73,7 +73,7 @@ class SpeculativeDecoder:
             if d.tokens:
                 drafts[req] = d
         reqs = list(drafts)
-        if self.sps is None or not self.config.scheduled:
+        if self.sps is None or not self.config.scheduled or not reqs:
             counts = [len(drafts[r].tokens) for r in reqs]
         elif (sps := self.sps.for_step(reqs)) is None:  # no room to profile this context
             counts = [0] * len(reqs)

@@ -219,3 +219,16 @@ def test_prefix_hits_from_disk_with_speculation(models, tmp_path):
     assert all(o.cached_tokens_by_tier.get("disk", 0) > 0 for o in outs)
     plain = make(models["llama"]).generate(longer, GREEDY)
     assert [o.token_ids for o in outs] == [r.token_ids for r in plain]
+
+
+def test_scheduled_steps_without_any_draft_run_as_speculative_steps(models, caplog):
+    """The shared suffix index is empty until a request ends: the first request's steps have
+    no draft at all, which must not make the speculative step fail (and fall back to plain)."""
+    llm = make(models["llama"], SpeculativeConfig(method="suffix", num_tokens=3, scheduled=True))
+    p = prompts(1, 14, seed=8)[0]
+    with caplog.at_level("WARNING", logger="deepinfer.engine"):
+        first = llm.generate(p, GREEDY)[0]
+        again = llm.generate(p, GREEDY)[0]  # now the index knows the first reply
+    assert "speculative step failed" not in caplog.text
+    assert first.num_drafted_tokens == 0 and again.num_drafted_tokens > 0
+    assert again.token_ids == first.token_ids == make(models["llama"]).generate(p, GREEDY)[0].token_ids
