@@ -137,6 +137,7 @@ def main() -> None:
                              acceptance=round(a["accepted"] / a["verified"], 3) if a["verified"] else 0.0,
                              accepted_per_step=round(a["accepted"] / a["steps"], 2) if a["steps"] else 0.0,
                              identical_to_off=a["identical"]))
+            print(json.dumps(rows[-1]), flush=True)  # progress: one line per mode as it is done
     cpu = lscpu_model()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
