@@ -22,7 +22,8 @@ from .config import SpeculativeConfig
 from .counters import SpecCounters
 from .drafters import Draft, DraftSource
 from .verify import verify
-from .verify_schedule import SpsProfile, plan_verify
+from .profile import SpsByContext
+from .verify_schedule import plan_verify
 
 
 @dataclass
@@ -38,7 +39,7 @@ class SpecStep:
 
 class SpeculativeDecoder:
     def __init__(self, config: SpeculativeConfig, source: DraftSource, runner: ModelRunner,
-                 kv: KVCacheManager, max_span: int, max_model_len: int, sps: SpsProfile | None) -> None:
+                 kv: KVCacheManager, max_span: int, max_model_len: int, sps: SpsByContext | None) -> None:
         self.config = config
         self.runner = runner
         self.kv = kv
@@ -72,12 +73,14 @@ class SpeculativeDecoder:
             if d.tokens:
                 drafts[req] = d
         reqs = list(drafts)
-        if self.sps is None or not self.config.scheduled:
+        if self.sps is None or not self.config.scheduled or not reqs:
             counts = [len(drafts[r].tokens) for r in reqs]
+        elif (sps := self.sps.for_step(reqs)) is None:  # no room to profile this context
+            counts = [0] * len(reqs)
         else:
             survival = [self.calibrator.survival(drafts[r].source, drafts[r].features) for r in reqs]
             base = sum(n for _, n in items) - len(reqs)
-            counts = plan_verify(survival, self.sps, base)
+            counts = plan_verify(survival, sps, base)
         chosen: dict[Request, Draft] = {}
         for req, c in zip(reqs, counts):
             c = min(c, budget)

@@ -1,5 +1,15 @@
-"""SPS(B) measured at start-up on the engine's own device and model: one forward of B new
-tokens (a throwaway sequence on freshly allocated pages, never cached) per point."""
+"""SPS(B) measured on the running engine, per context length, through the forward a verify
+step really runs.
+
+A step's cost depends on more than its token count: B = 1 runs the batched decode path, while
+a verify span runs as a short prefill chunk after the cached prefix (a gather of the context,
+a masked attention, matmuls with B rows instead of one), and both grow with the context. A
+profile taken on an empty context is flat and under-prices verification, so the profile is
+measured lazily, once per context bucket (powers of 4), on the first decoding request that
+reaches it: its own pages and context, B = 1 as a decode, B > 1 as a span of dummy tokens
+past its last token. Those positions lie beyond ``num_computed_tokens``, so their KV is
+overwritten later, exactly as a rejected draft's is.
+"""
 
 from __future__ import annotations
 
@@ -10,31 +20,58 @@ import torch
 from ..kv.cache_manager import KVCacheManager
 from ..model_runner import ModelRunner
 from ..request import Request
-from ..sampling_params import SamplingParams
 from .verify_schedule import SpsProfile
 
+SIZES = (1, 2, 3, 5, 9, 17, 33, 65)  # step tokens measured (up to the most a step verifies)
 
-def profile_sps(runner: ModelRunner, kv: KVCacheManager, max_tokens: int, vocab_size: int,
-                repeats: int = 3) -> SpsProfile:
-    sizes = [1]
-    while sizes[-1] * 2 <= max_tokens:
-        sizes.append(sizes[-1] * 2)
-    params = SamplingParams(max_tokens=1, temperature=0.0)
-    rates = []
-    for b in sizes:
-        req = Request("sps-profile", [i % vocab_size for i in range(b)], params)
-        if not kv.allocate(req, b):
-            raise RuntimeError(f"KV pool too small to profile a {b}-token step")
-        times = []
-        for _ in range(repeats + 1):  # the first run warms up
-            _sync(runner.device)
-            t0 = time.perf_counter()
-            runner.forward([(req, b)])
-            _sync(runner.device)
-            times.append(time.perf_counter() - t0)
-        kv.release(req)
-        rates.append(1.0 / sorted(times[1:])[len(times[1:]) // 2])
-    return SpsProfile(sizes, rates)
+
+def context_bucket(context: int) -> int:
+    """Contexts below 512 share bucket 4, then one bucket per factor of 4 (512-2047: 5, ...)."""
+    return max(context.bit_length(), 8) // 2
+
+
+class SpsByContext:
+    """SPS profiles per context bucket; ``fixed``: one given profile for every context."""
+
+    def __init__(self, runner: ModelRunner, kv: KVCacheManager, max_tokens: int,
+                 fixed: SpsProfile | None = None, repeats: int = 2) -> None:
+        self.runner, self.kv = runner, kv
+        self.sizes = [b for b in SIZES if b <= max_tokens] or [1]
+        self.fixed = fixed
+        self.repeats = repeats
+        self.profiles: dict[int, SpsProfile] = {}
+
+    def for_step(self, reqs: list[Request]) -> SpsProfile | None:
+        """The profile for a step of decoding ``reqs`` (its longest context decides), measured
+        now on that request if its bucket has none; None if its pages cannot hold a span."""
+        if self.fixed is not None:
+            return self.fixed
+        req = max(reqs, key=lambda r: r.num_tokens)
+        bucket = context_bucket(req.num_tokens)
+        if bucket not in self.profiles:
+            if not self.kv.allocate(req, self.sizes[-1]):
+                return None
+            self.profiles[bucket] = self._measure(req)
+        return self.profiles[bucket]
+
+    def _measure(self, req: Request) -> SpsProfile:
+        last = req.all_token_ids[-1]
+        rates = []
+        for b in self.sizes:
+            req.output_token_ids += [last] * (b - 1)
+            try:
+                times = []
+                for _ in range(self.repeats + 1):  # the first run warms up
+                    _sync(self.runner.device)
+                    t0 = time.perf_counter()
+                    self.runner.forward_spans([(req, b)], {req: b} if b > 1 else {})
+                    _sync(self.runner.device)
+                    times.append(time.perf_counter() - t0)
+            finally:
+                if b > 1:
+                    del req.output_token_ids[-(b - 1):]
+            rates.append(1.0 / min(times[1:]))
+        return SpsProfile(self.sizes, rates)
 
 
 def _sync(device: torch.device) -> None:

@@ -14,14 +14,14 @@ from ..request import Request
 from .decoder import SpeculativeDecoder
 from .draft_model import build_draft_model
 from .drafters import DraftSource, NgramDrafter, SuffixDrafter
-from .profile import profile_sps
+from .profile import SpsByContext
 from .verify_schedule import SpsProfile
 
 
 def build_decoder(config: EngineConfig, ckpt: Checkpoint, runner: ModelRunner, kv: KVCacheManager,
                   span: int, max_model_len: int) -> SpeculativeDecoder:
     """The decoder of ``config.speculative_config`` with its draft source; scheduled mode takes
-    the given steps/s profile or measures one now."""
+    the given steps/s profile or measures one per context as requests reach it."""
     sc = config.speculative_config
     assert sc is not None
     source: DraftSource
@@ -33,9 +33,9 @@ def build_decoder(config: EngineConfig, ckpt: Checkpoint, runner: ModelRunner, k
         source = NgramDrafter(sc.ngram_min, sc.ngram_max)
     sps = None
     if sc.scheduled:
-        sps = (SpsProfile(list(sc.sps_tokens), list(sc.sps_steps_per_s or ()))
-               if sc.sps_tokens is not None else
-               profile_sps(runner, kv, min(span, 64), ckpt.config.vocab_size))
+        fixed = (None if sc.sps_tokens is None else
+                 SpsProfile(list(sc.sps_tokens), list(sc.sps_steps_per_s or ())))
+        sps = SpsByContext(runner, kv, min(sc.num_tokens + 1, span), fixed)
     return SpeculativeDecoder(sc, source, runner, kv, span, max_model_len, sps)
 
 

@@ -4,7 +4,7 @@
 SPS(B) is verify steps per second when the batch holds B tokens; the expected accepted tokens
 per step are tau = R + sum of a_{r,j} over the verified pairs (every request emits at least
 one token), so throughput is Theta = tau * SPS(B). Pairs are taken in descending a_{r,j} and
-the first one that does not raise Theta stops the search.
+the prefix with the highest Theta is verified.
 """
 
 from __future__ import annotations
@@ -41,21 +41,27 @@ def plan_verify(survival: list[list[float]], sps: Callable[[int], float],
     """Algorithm 1: per request, how many leading draft tokens to verify.
 
     ``survival[r][j]`` is a_{r,j+1}; ``base_tokens`` counts the step's other tokens (prefill
-    chunks), which the verify step's cost includes."""
+    chunks), which the verify step's cost includes. The pairs are walked in descending a, as in
+    DSpark, but the walk keeps the best prefix instead of stopping at the first pair that does
+    not raise Theta: on a CPU the first draft token moves a request from the decode path to a
+    verify span, a jump in step time that later tokens do not repeat, so Theta can dip and rise
+    again. For a given B the best pairs are the B most likely ones, so the best prefix is the
+    optimum; its last pair raises Theta, so no verified token has a negative marginal value."""
     R = len(survival)
-    counts = [0] * R
     if R == 0:
-        return counts
+        return []
     b, tau = R, float(R)
-    best = tau * sps(base_tokens + b)
+    best, best_n = tau * sps(base_tokens + b), 0
     pairs = sorted(((a, r, j) for r, row in enumerate(survival) for j, a in enumerate(row)),
                    key=lambda p: (-p[0], p[1], p[2]))
     # a_{r,j} never grows with j (a product of confidences <= 1) and ties go earlier first,
     # so each request's verified tokens stay a prefix of its draft
-    for a, r, _ in pairs:
-        theta = (tau + a) * sps(base_tokens + b + 1)
-        if theta <= best:
-            break
-        b, tau, best = b + 1, tau + a, theta
+    for n, (a, _, _) in enumerate(pairs, 1):
+        b, tau = b + 1, tau + a
+        theta = tau * sps(base_tokens + b)
+        if theta > best:
+            best, best_n = theta, n
+    counts = [0] * R
+    for _, r, _ in pairs[:best_n]:
         counts[r] += 1
     return counts

@@ -12,6 +12,7 @@ from deepinfer.kv.radix import Node
 from deepinfer.llm import LLM
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.spec.config import SpeculativeConfig
+from deepinfer.spec.profile import context_bucket
 from tiny_checkpoints import make_checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))  # the tiny model makers
@@ -153,17 +154,30 @@ def test_stop_conditions_inside_an_accepted_draft(models):
     assert out.token_ids == ref[: ref.index(stop) + 1] and out.finish_reason == "stop"
 
 
-def test_scheduled_mode_profiles_sps_at_start_up(models):
+def test_scheduled_mode_profiles_sps_at_the_running_context(models):
     llm = make(models["llama"], SpeculativeConfig(method="ngram", num_tokens=3, scheduled=True))
-    free = llm.engine.kv.num_free_pages  # profiling gave back every page it used
+    free = llm.engine.kv.num_free_pages
     assert free == llm.engine.runner.pool.allocator.num_pages - 1
-    sps = llm.engine.spec.sps
-    assert sps is not None and sps.tokens[0] == 1 and all(s > 0 for s in sps.seconds)
+    assert llm.engine.spec.sps.profiles == {}  # nothing measured before a request decodes
     ps = prompts(2, 14, seed=5)
     ref = make(models["llama"]).generate(ps, GREEDY)
     assert [o.token_ids for o in llm.generate(ps, GREEDY)] == [r.token_ids for r in ref]
-    # every page not free is held by the tree: no page of a rejected draft leaked
+    (bucket, sps), = llm.engine.spec.sps.profiles.items()  # 21-61 tokens: one context bucket
+    assert bucket == context_bucket(61) and sps.tokens == [1, 2, 3] and all(s > 0 for s in sps.seconds)
+    # every page not free is held by the tree: no page of a rejected draft or the profile leaked
     assert llm.engine.kv.num_free_pages == free - sum(len(n.tiers[0] or []) for n in _nodes(llm.engine.kv.tree))
+
+
+def test_scheduled_mode_verifies_nothing_when_a_span_costs_a_step_per_token(models):
+    costly = SpeculativeConfig(method="ngram", num_tokens=5, scheduled=True,
+                               sps_tokens=(1, 8), sps_steps_per_s=(100.0, 100.0 / 8))
+    ps = prompts(2, 14, seed=7)
+    llm = make(models["llama"], costly)  # one request at a time: no prefill chunk shares a step
+    outs = [llm.generate(p, GREEDY)[0] for p in ps]
+    assert sum(o.num_drafted_tokens for o in outs) > 0
+    assert sum(o.num_verified_tokens for o in outs) == 0
+    ref = make(models["llama"]).generate(ps, GREEDY)
+    assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
 
 
 def _nodes(tree) -> list[Node]:
@@ -205,3 +219,16 @@ def test_prefix_hits_from_disk_with_speculation(models, tmp_path):
     assert all(o.cached_tokens_by_tier.get("disk", 0) > 0 for o in outs)
     plain = make(models["llama"]).generate(longer, GREEDY)
     assert [o.token_ids for o in outs] == [r.token_ids for r in plain]
+
+
+def test_scheduled_steps_without_any_draft_run_as_speculative_steps(models, caplog):
+    """The shared suffix index is empty until a request ends: the first request's steps have
+    no draft at all, which must not make the speculative step fail (and fall back to plain)."""
+    llm = make(models["llama"], SpeculativeConfig(method="suffix", num_tokens=3, scheduled=True))
+    p = prompts(1, 14, seed=8)[0]
+    with caplog.at_level("WARNING", logger="deepinfer.engine"):
+        first = llm.generate(p, GREEDY)[0]
+        again = llm.generate(p, GREEDY)[0]  # now the index knows the first reply
+    assert "speculative step failed" not in caplog.text
+    assert first.num_drafted_tokens == 0 and again.num_drafted_tokens > 0
+    assert again.token_ids == first.token_ids == make(models["llama"]).generate(p, GREEDY)[0].token_ids

@@ -35,6 +35,8 @@ PROFILES = {
     # flat until the device saturates, then affine (GPU-like)
     "knee": lambda b: 1.0 / max(0.02, 0.012 + 0.001 * b),
     "table": SpsProfile([1, 2, 4, 8, 16, 32], [50.0, 49.0, 48.0, 45.0, 30.0, 16.0]),
+    # CPU-like: the first span token switches from the decode path (a jump), later ones are cheap
+    "jump": SpsProfile([1, 2, 3, 5, 9], [10.0, 6.0, 5.8, 5.5, 5.0]),
 }
 
 
@@ -49,8 +51,9 @@ def test_matches_brute_force_optimum(name):
         assert throughput(survival, counts, sps, base) == pytest.approx(brute_force(survival, sps, base))
 
 
-def test_never_verifies_a_token_with_negative_marginal_value():
-    sps, rng = PROFILES["table"], random.Random(1)
+@pytest.mark.parametrize("name", ["table", "jump"])
+def test_never_verifies_a_token_with_negative_marginal_value(name):
+    sps, rng = PROFILES[name], random.Random(1)
     for _ in range(300):
         survival = random_survival(rng, rng.randint(1, 5), 5)
         counts = plan_verify(survival, sps)
@@ -67,6 +70,17 @@ def test_cheap_verification_takes_everything_and_costly_none():
     assert plan_verify(survival, lambda b: 100.0) == [2, 1]  # free tokens: verify all
     assert plan_verify(survival, lambda b: 1.0 / b) == [0, 0]  # a token costs a full step
     assert plan_verify([], lambda b: 1.0) == []
+
+
+def test_below_the_profiles_break_even_verifies_nothing_beyond_the_base_token():
+    sps = PROFILES["jump"]  # one span token costs 1/6 - 1/10 s: worth it above a = 2/3
+    one = [[0.6, 0.06, 0.05, 0.04]]  # every prefix's tau stays below what its step time needs
+    assert all(sum(one[0][:n]) + 1 < sps(1) / sps(n + 1) for n in range(1, 5))
+    assert plan_verify(one, sps) == [0]
+    # above break-even only as a run: the first token alone loses, all four together win
+    run = [[0.65, 0.65, 0.65, 0.65]]
+    assert 1.65 < sps(1) / sps(2) and 1 + 4 * 0.65 > sps(1) / sps(5)
+    assert plan_verify(run, sps) == [4]
 
 
 def test_profile_interpolates_step_time():

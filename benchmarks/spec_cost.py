@@ -1,0 +1,80 @@
+"""What a verify step costs next to a plain decode step, by context length, batch size and
+extra (draft) tokens: the numbers the scheduler's SPS profile has to get right.
+
+One engine, its runner called directly: B sequences whose KV holds ``context`` tokens step
+once with 1 new token each (a decode step) or with 1 + e (a verify step of e draft tokens),
+the variants interleaved round after round, so a busy machine slows them alike; the KV is
+rewritten in place, nothing advances. Reports the median step time and its ratio to the
+decode step of the same context and batch, plus the split of one verify step's time by
+operator (torch.profiler) with ``--profile``.
+
+    python benchmarks/spec_cost.py [--contexts 100,1000,3000] [--batches 1,4] [--extra 1,2,4,8]
+                                   [--rounds 7] [--quantization none|int4] [--profile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from deepinfer.hardware import lscpu_model
+from deepinfer.llm import LLM
+from deepinfer.request import Request
+from deepinfer.sampling_params import SamplingParams
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--contexts", default="100,1000,3000")
+    ap.add_argument("--batches", default="1,4")
+    ap.add_argument("--extra", default="1,2,4,8")
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--quantization", default="none")
+    ap.add_argument("--profile", action="store_true", help="operator split of one verify step")
+    args = ap.parse_args()
+    llm = LLM(args.model, quantization=args.quantization, kv_cache_memory_gb=1.5, host_cache_gb=0,
+              enable_disk_cache=False, enable_prefix_cache=False, progress=False)
+    runner, kv = llm.engine.runner, llm.engine.kv
+    extras = [int(e) for e in args.extra.split(",")]
+    print(f"CPU: {lscpu_model()}; quantization {args.quantization}; {args.rounds} rounds, "
+          "variants interleaved; median step ms (ratio to decode)")
+    print("| context | batch | decode ms | " + " | ".join(f"+{e}" for e in extras) + " |")
+    print("|---:|---:|---:|" + "---:|" * len(extras))
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    for ctx in (int(c) for c in args.contexts.split(",")):
+        for bs in (int(b) for b in args.batches.split(",")):
+            reqs = []
+            for i in range(bs):
+                r = Request(f"cost-{i}", [(7 * i + 13 * t) % 30000 + 10 for t in range(ctx + max(extras) + 1)],
+                            params)
+                assert kv.allocate(r, r.num_tokens), "KV pool too small"
+                runner.forward([(r, ctx)])  # fill the context's KV
+                r.num_computed_tokens = ctx
+                reqs.append(r)
+            variants = [0] + extras
+            times: dict[int, list[float]] = {e: [] for e in variants}
+            for _ in range(args.rounds + 1):  # the first round warms up
+                for e in variants:
+                    t0 = time.perf_counter()
+                    runner.forward_spans([(r, 1 + e) for r in reqs], {r: 1 + e for r in reqs} if e else {})
+                    times[e].append(time.perf_counter() - t0)
+            med = {e: statistics.median(ts[1:]) for e, ts in times.items()}
+            print(f"| {ctx} | {bs} | {1000 * med[0]:.1f} | "
+                  + " | ".join(f"{1000 * med[e]:.1f} ({med[e] / med[0]:.2f})" for e in extras) + " |")
+            if args.profile:
+                for e in (0, extras[-1]):
+                    with torch.profiler.profile() as prof:
+                        runner.forward_spans([(r, 1 + e) for r in reqs], {r: 1 + e for r in reqs} if e else {})
+                    print(f"context {ctx}, batch {bs}, +{e}:")
+                    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
+            for r in reqs:
+                kv.release(r)
+    llm.engine.shutdown()
+
+
+if __name__ == "__main__":
+    main()
