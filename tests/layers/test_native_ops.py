@@ -13,14 +13,12 @@ from deepinfer.layers import norm, rotary
 from deepinfer.layers.native_ops import small_ops_apply, small_ops_kernel
 from deepinfer.layers.norm import RMSNorm
 from deepinfer.layers.rotary import RotaryEmbedding
+from native_helpers import loaded
 
 
 @pytest.fixture(scope="module")
 def kernel():
-    k = small_ops_kernel()
-    if not k.loaded:
-        pytest.skip(k.error)
-    return k
+    return loaded(small_ops_kernel())
 
 
 def _torch_only(monkeypatch) -> None:

@@ -15,23 +15,15 @@ from deepinfer.quant.kernels import NATIVE_ACT_BITS, QuantPlan, plan_quantizatio
 from deepinfer.quant.linear import NATIVE_MAX_ROWS, QuantizedLinear, quantize_model
 from deepinfer.quant.native import native_kernel, native_linear
 from deepinfer.quant.weights import QuantizedWeight, quantize_int4, quantize_int8
+from native_helpers import loaded
 
 CPU = torch.device("cpu")
 
 
 @pytest.fixture(scope="module")
 def kernel():
-    k = native_kernel()
-    if not k.loaded:
-        pytest.skip(k.error)
-    return k
+    return loaded(native_kernel())
 
-
-@pytest.fixture
-def threads():
-    before = torch.get_num_threads()
-    yield torch.set_num_threads
-    torch.set_num_threads(before)
 
 
 def symmetric_int8(w: torch.Tensor) -> QuantizedWeight:
