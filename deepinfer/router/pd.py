@@ -5,7 +5,9 @@ Per request: a prefill worker chosen by the kv cost (its prefix index, its load)
 BODY}``; it computes the prompt, makes its full pages durable in the shared store and answers
 with its counts. A decode worker chosen by load alone (its hits come from the store, whoever computed
 them) then gets the original request, with those counts in the ``x-deepinfer-prefill`` header
-(the decode side reports them in its usage). See ``server/pd.py`` for the workers' side.
+(the decode side reports them in its usage) and, on the direct route (``--pd-transfer direct``),
+the descriptor of the pages it pulls from the prefill worker. See ``server/pd.py`` for the
+workers' side.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import httpx
 from fastapi import Request
 from fastapi.responses import Response
 
+from ..server.pd_decode import TRANSFER_HEADER
 from .proxy import passed_headers, unless_disconnected, whole
 
 PREFILL_HEADER = "x-deepinfer-prefill"
@@ -38,8 +41,11 @@ def failed(resp: httpx.Response, url: str) -> Response:
 
 
 def decode_headers(counts: dict, headers: dict[str, str], prefill_url: str) -> dict[str, str]:
-    """Headers of the request to the decode worker: the prefill's numeric counts."""
+    """Headers of the request to the decode worker: the prefill's numeric counts, and the
+    descriptor of its exported pages when it kept them for a direct pull."""
     numbers = {k: v for k, v in counts.items()
                if isinstance(v, (int, float)) and not isinstance(v, bool)}
-    return {**headers, PREFILL_HEADER: json.dumps(numbers),
-            "x-deepinfer-prefill-worker": prefill_url}
+    out = {**headers, PREFILL_HEADER: json.dumps(numbers), "x-deepinfer-prefill-worker": prefill_url}
+    if isinstance(counts.get("transfer"), dict):
+        out[TRANSFER_HEADER] = json.dumps(counts["transfer"])
+    return out
