@@ -134,7 +134,10 @@ def int8_runner(model):
     ckpt = types.SimpleNamespace(config=model.config, weights=lambda: iter(sd.items()), name="v4-int8",
                                  fingerprint="int8", gguf=None)
     return ModelRunner(EngineConfig(page_size=4, num_pages=128, dtype="float32", progress=False,
-                                    window_chunk_tokens=256, quantization="int8"), ckpt, 256)
+                                    window_chunk_tokens=256, quantization="int8",
+                                    # exact: weights widened to fp32 (the default native kernel
+                                    # also rounds activations to int16 per block)
+                                    quantization_kernel="native-float"), ckpt, 256)
 
 
 def test_v4_int8_equals_transformers_on_the_rounded_weights():
