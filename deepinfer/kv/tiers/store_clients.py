@@ -1,5 +1,6 @@
-"""Wire clients of the networked L3 stores (``KVClient``) and ``open_remote_store``, which
-turns a ``--kv-store`` URL and its options into a ``RemoteStore``.
+"""Wire clients of the networked L3 stores (``KVClient``), ``open_remote_store``, which
+turns a ``--kv-store`` URL and its options into a ``RemoteStore``, and ``open_l3_store``, the
+page store the engine's L3 reads (a local directory, a networked store, or the first in front).
 
 * ``mooncake://MASTER_HOST:PORT``: Mooncake Store (``mooncake_master`` holds the metadata; the
   memory is the global segments that clients mount: ``mooncake_client`` processes, or the
@@ -17,11 +18,14 @@ seconds between probes of a store that is down.
 
 from __future__ import annotations
 
+import os
 import socket
 import threading
 from urllib.parse import urlsplit
 
-from .remote_store import KVClient, RemoteStore
+from .disk_store import DiskStore
+from .page_store import PageStore
+from .remote_store import KVClient, LayeredStore, RemoteStore
 
 SCHEMES = ("mooncake", "redis")
 
@@ -194,3 +198,18 @@ def open_remote_store(url: str, options: dict[str, str], namespace: str, *,
         db = int(urlsplit(url).path.strip("/") or 0)
         client = RedisClient(host, port, db, timeout_s=timeout_s, **typed)  # type: ignore[arg-type]
     return RemoteStore(client, namespace, secret=secret, retry_s=retry_s, timeout_s=timeout_s)
+
+
+def open_l3_store(disk_dir: str | os.PathLike[str] | None, disk_bytes: int, namespace: str,
+                  kv_store: str | None, options: dict[str, str], secret: bytes | None
+                  ) -> tuple[PageStore, RemoteStore | None]:
+    """The L3 page store (the local directory in front of the networked store when both are
+    configured), and the networked store alone (None without one)."""
+    remote = (open_remote_store(kv_store, options, namespace, secret=secret)
+              if kv_store is not None else None)
+    local = DiskStore(disk_dir, disk_bytes, namespace, secret=secret) if disk_dir is not None else None
+    if local is not None and remote is not None:
+        return LayeredStore(local, remote), remote
+    store = local if local is not None else remote
+    assert store is not None, "an L3 store needs a directory or a --kv-store URL"
+    return store, remote

@@ -42,14 +42,13 @@ import torch
 from ...log_limit import RateLimitedLog
 from .backend import MOVES, LoadJob, TierBackend
 from .codecs import Codec, get_codec
-from .disk_store import DiskStore
 from .host_store import HostStore
 from .page_bytes import KVTransfer, check_codec, decode_pages, encode_pages, page_nbytes
 from .page_loader import PageLoader
 from .disk_file import PageId
 from .page_store import PageStore
-from .remote_store import LayeredStore, RemoteStore
-from .store_clients import open_remote_store
+from .remote_store import RemoteStore
+from .store_clients import open_l3_store
 
 log = logging.getLogger(__name__)
 PUBLISH_BATCH = 64  # pages per store call of ``publish`` (a radix node's worth at most)
@@ -93,15 +92,8 @@ class TierIO(TierBackend):
         disk_pages = 0
         self.namespace = f"{namespace}|codec={self.disk_codec.tag}"
         if use_disk:
-            if kv_store is not None:
-                self.remote = open_remote_store(kv_store, kv_store_options or {}, self.namespace,
-                                                secret=disk_secret)
-            local = (DiskStore(disk_dir, disk_bytes, self.namespace, secret=disk_secret)
-                     if disk_dir is not None else None)
-            if local is not None and self.remote is not None:
-                self.store = LayeredStore(local, self.remote)
-            else:
-                self.store = local if local is not None else self.remote
+            self.store, self.remote = open_l3_store(disk_dir, disk_bytes, self.namespace, kv_store,
+                                                    kv_store_options or {}, disk_secret)
             disk_pages = disk_bytes // self.store.file_bytes(self.disk_page_nbytes)
         self.host_capacity = host_pages
         self.disk_capacity = disk_pages
