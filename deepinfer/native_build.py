@@ -1,8 +1,11 @@
 """Build and load our C++ operator sources (``torch.ops.deepinfer_*``) at first use.
 
 ``torch.utils.cpp_extension.load`` compiles a source once per machine into torch's extension
-cache (``$TORCH_EXTENSIONS_DIR``), under a name keyed by the source, the compiler flags, the
-torch version and the Python version, so a new source or another CPU class builds afresh.
+cache (``$TORCH_EXTENSIONS_DIR``), under a name keyed by the source (its text and its path), the
+compiler flags, the torch version and the Python version, so a new source or another CPU class
+builds afresh. The path is in the key because the build folder's ninja file names the source
+by path: two checkouts sharing one folder would each see the other's build as stale and rebuild
+it on every first use, the other's processes waiting on the lock meanwhile.
 Concurrent first uses wait on each other through an ``flock`` on the build folder, which the OS
 drops when its holder dies: torch's own lock is a plain file that a process killed mid-build
 leaves behind, and every later ``load`` would wait on it forever, so a leftover one found while
@@ -52,9 +55,9 @@ def build_root() -> Path:
 
 
 def build_name(stem: str, source: Path, flags: list[str]) -> str:
-    """``stem`` plus a key of everything the built library depends on."""
-    key = hashlib.sha256(source.read_bytes() + " ".join(flags).encode() + torch.__version__.encode()
-                         + sys.version.encode())
+    """``stem`` plus a key of everything the built library depends on (the source's path too)."""
+    key = hashlib.sha256(source.read_bytes() + str(source.resolve()).encode()
+                         + " ".join(flags).encode() + torch.__version__.encode() + sys.version.encode())
     return f"{stem}_{key.hexdigest()[:16]}"
 
 

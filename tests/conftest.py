@@ -33,8 +33,20 @@ def test_device():
 
 
 @pytest.fixture(scope="session")
-def tiny_llama(tmp_path_factory):
-    """Path of a tiny random Llama checkpoint (2 layers, hidden 64) with a ChatML tokenizer."""
+def native_kernels():
+    """Our C++ kernels a tiny model's step uses, built (once per machine, minutes on a cold
+    loaded one) before any test's clock runs: otherwise the first request of whichever test
+    comes first pays the build, and a worker answering /health meanwhile looks hung."""
+    from deepinfer.layers.native_decode import native_decode_kernel
+    from deepinfer.layers.native_ops import small_ops_kernel
+
+    return native_decode_kernel(), small_ops_kernel()
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory, native_kernels):
+    """Path of a tiny random Llama checkpoint (2 layers, hidden 64) with a ChatML tokenizer
+    (the native kernels built first: the servers over it answer their first request at once)."""
     return make_checkpoint(tmp_path_factory.mktemp("tiny_llama"), tiny_llama_config())
 
 

@@ -52,6 +52,11 @@ def test_name_changes_with_the_source(tmp_path):
     assert native_build.build_name("x", a, flags) == native_build.build_name("x", a, flags)
     assert native_build.build_name("x", a, flags) != native_build.build_name("x", b, flags)
     assert native_build.build_name("x", a, flags) != native_build.build_name("x", a, [*flags, "-g"])
+    # the same text in another checkout: its own folder (a shared one is rebuilt at every switch)
+    (tmp_path / "other").mkdir()
+    same = tmp_path / "other" / a.name
+    same.write_bytes(a.read_bytes())
+    assert native_build.build_name("x", a, flags) != native_build.build_name("x", same, flags)
 
 
 def test_disabled_by_env(tmp_path, monkeypatch):

@@ -15,7 +15,10 @@ from router_procs import PAGE, RouterThread
 
 @pytest.fixture(scope="module")
 def kv(tiny_llama, workers):
-    r = RouterThread(tiny_llama, [w.url for w in workers], overlap_weight=2.0)
+    # pending pages last the whole module: a request slower than the default TTL (a loaded
+    # machine) must not turn the pending-pages prediction below into a coin toss
+    r = RouterThread(tiny_llama, [w.url for w in workers], overlap_weight=2.0,
+                     pending_ttl_s=3600.0)
     settle(r.url, [w.url for w in workers])
     yield r
     r.stop()
