@@ -316,7 +316,7 @@ def test_a_request_waiting_on_a_load_does_not_stall_others(tiny_llama, reference
     read_into = eng.tiers.store.read_into
 
     def slow_read(key, dest, expect=None):
-        gate.wait(30)
+        gate.wait(120)  # a safety net: the test sets it
         return read_into(key, dest, expect)
 
     eng.tiers.store.read_into = slow_read
@@ -369,12 +369,12 @@ def test_abort_while_loading_releases_everything(tiny_llama, tmp_path):
     eng = a.engine
     gate = threading.Event()
     read = eng.tiers.host.read_rows
-    eng.tiers.host.read_rows = lambda slots: (gate.wait(30), read(slots))[1]
+    eng.tiers.host.read_rows = lambda slots: (gate.wait(120), read(slots))[1]
     r = eng.add_request(p, GREEDY)
     eng.step()
     eng.abort(r.request_id)
     gate.set()
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 120
     while eng.kv.loads_in_flight() and time.monotonic() < deadline:
         time.sleep(0.01)
         eng.step()  # polls: the orphaned load is dropped once done

@@ -124,11 +124,13 @@ def _cfg(server, style, **kw):
 
 @pytest.mark.parametrize("style", ["openai", "deepseek", "llamacpp"])
 def test_chat_multi_turn_ttft_and_cached(server, style):
+    t0 = time.perf_counter()
     recs = run_workload(_cfg(server, style, concurrency=2, api_key="k"), _chat_workload())
+    wall = time.perf_counter() - t0
     assert len(recs) == 6 and all(r.ok for r in recs)
     sent = {u["n"]: u for u in server.sent_usage}
-    for r in recs:
-        assert FIRST_TOKEN_DELAY * 0.8 <= r.ttft_s < r.e2e_s < 5
+    for r in recs:  # seconds, within the run (the server sleeps before its first token)
+        assert FIRST_TOKEN_DELAY * 0.8 <= r.ttft_s < r.e2e_s <= wall
         assert r.tpot_s is not None and r.tpot_s > 0
         assert r.completion_tokens == 3 and r.cached_reported
     by_body = {}
@@ -164,10 +166,10 @@ def test_concurrency_and_request_bounds(server):
 
 def test_duration_bound(server):
     wl = _chat_workload(users=1, turns=50)
-    t0 = time.perf_counter()
     recs = run_workload(_cfg(server, "openai", max_duration_s=0.5), wl)
-    # the run stops at the bound instead of playing all 50 turns (no speed assumed: loose limit)
-    assert time.perf_counter() - t0 < 60 and len(recs) < 50
+    # the run stops at the bound instead of playing all 50 turns (each takes over 0.03 s: the
+    # server sleeps that long before its first token)
+    assert len(recs) < 50 and all(r.ok for r in recs)
 
 
 def test_trace_replay_token_prompts(server, tmp_path):

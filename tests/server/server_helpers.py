@@ -36,7 +36,7 @@ def start_server(tiny_llama, engine_kw=None, **server_kw) -> BackgroundServer:
     return BackgroundServer(make_engine(tiny_llama, **(engine_kw or {})), cfg).start()
 
 
-def wait_idle(srv: BackgroundServer, timeout: float = 20.0) -> dict:
+def wait_idle(srv: BackgroundServer, timeout: float = 120.0) -> dict:
     """Wait until no request is live and every page is free or evictable cache; return the
     page accounting (fails the test if that does not happen)."""
     t0 = time.monotonic()

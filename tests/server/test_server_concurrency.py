@@ -134,7 +134,7 @@ def test_non_streaming_client_that_hangs_up_is_aborted(server):
     ae = server.async_engine
     t0 = time.monotonic()
     while ae.call_sync(ae.kv_snapshot)["live_requests"] == 0:  # wait until it runs
-        assert time.monotonic() - t0 < 20
+        assert time.monotonic() - t0 < 120
         time.sleep(0.005)
     sock.close()  # hang up without reading the answer
     wait_idle(server)

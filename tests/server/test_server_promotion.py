@@ -37,7 +37,7 @@ def test_idle_server_promotes_the_last_conversation_to_l2(tiny_llama, tmp_path):
         assert srv.async_engine.call_sync(to_l3_only) == (0, 0)
         t0 = time.monotonic()  # the engine thread, idle, promotes on its own
         while srv.async_engine.call_sync(lambda: eng.stats()["cache_idle_promoted_pages_total"]) < 10:
-            assert time.monotonic() - t0 < 30
+            assert time.monotonic() - t0 < 120
             time.sleep(0.05)
         assert complete(srv, first + list(range(60, 72))) == {"host": 40}
     finally:

@@ -41,7 +41,7 @@ def ids(hashes):
     return [page_id(h) for h in hashes]
 
 
-def wait_done(job, timeout=30):
+def wait_done(job, timeout=120):
     t0 = time.monotonic()
     while not job.done:
         assert time.monotonic() - t0 < timeout
