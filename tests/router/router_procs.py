@@ -23,7 +23,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_healthy(url: str, proc: subprocess.Popen, what: str, timeout: float = 300) -> None:
+def wait_healthy(url: str, proc: subprocess.Popen, what: str, timeout: float = 600) -> None:
+    """Poll ``/health`` until 200; the deadline allows a start-up of minutes (several workers
+    importing torch at once on a loaded 2-core machine), and a dead ``proc`` fails at once."""
     t0 = time.monotonic()
     while True:
         try:
@@ -95,7 +97,7 @@ class RouterThread:
         self._thread.start()
         t0 = time.monotonic()
         while not self._server.started:
-            assert self._thread.is_alive() and time.monotonic() - t0 < 60, "router did not start"
+            assert self._thread.is_alive() and time.monotonic() - t0 < 300, "router did not start"
             time.sleep(0.02)
 
     def stop(self) -> None:

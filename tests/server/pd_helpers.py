@@ -49,7 +49,7 @@ class Worker:
              "--generation-config", "vllm", *args],
             env=env, stdout=log.open("ab"), stderr=subprocess.STDOUT)
 
-    def wait_ready(self, timeout: float = 180.0) -> Worker:
+    def wait_ready(self, timeout: float = 600.0) -> Worker:
         t0 = time.monotonic()
         while True:
             try:

@@ -49,7 +49,7 @@ def served(tiny_llama, tmp_path_factory):
                 break
         except httpx.HTTPError:
             pass
-        if proc.poll() is not None or time.monotonic() - t0 > 300:
+        if proc.poll() is not None or time.monotonic() - t0 > 600:
             proc.kill()
             raise RuntimeError("deepinfer serve did not start")
         time.sleep(0.2)
