@@ -88,7 +88,7 @@ def test_a_store_killed_mid_run_costs_counted_misses_not_errors(store_service, t
         pytest.skip("Mooncake client segfaults after a master restart in-process (known issue)")
     llm = LLM(str(tiny_llama), page_size=PS, num_pages=64, max_num_batched_tokens=256,
               progress=False, host_cache_gb=0, enable_disk_cache=False, kv_store=store_service.url,
-              kv_store_options={**store_service.options, "retry_s": "0.5", "timeout_s": "1"})
+              kv_store_options={**store_service.options, "retry_s": "0.5", "timeout_s": "10"})
     a, b, c = prompt(120, 1), prompt(120, 2), prompt(120, 3)
     try:
         assert llm.generate(a, GREEDY)[0].token_ids == reference(a)
