@@ -86,7 +86,7 @@ def start_front(config: str, workers: list[str], logs: Path,
                 "--log-level", "warn"]
     else:
         args = [sys.executable, "-m", "deepinfer.cli", "router", "--port", str(port),
-                "--policy", config, "--log-level", "warning",
+                "--policy", config, "--log-level", "info",  # info: its placement log
                 *[a for w in workers for a in ("--worker", w)],
                 *(kv_args if config == "kv" else [])]
     proc = spawn(args, logs / f"{config}.log")
@@ -117,6 +117,20 @@ def workloads(quick: bool) -> dict:
     }
 
 
+def placements(log: Path, workers: list[str]) -> list[dict]:
+    """The router's placement log (``deepinfer.router.placement``), in order of routing:
+    which worker (0, 1) got each request, its prompt tokens, predicted hit pages, the costs."""
+    out = []
+    for line in log.read_text().splitlines():
+        if "placement {" in line:
+            p = json.loads(line[line.index("placement {") + len("placement "):])
+            out.append({"worker": workers.index(p["worker"]), "prompt_tokens": p["prompt_tokens"],
+                        "hit_pages": p["hit_pages"],
+                        "costs": [p["costs"].get(w) for w in workers],
+                        "loads": [p["loads"].get(w) for w in workers]})
+    return out
+
+
 def run_one(config: str, wl, pages: int, max_len: int, concurrency: int, logs: Path,
             kv_args: list[str]) -> dict:
     single = config == "single_engine_2x"
@@ -135,7 +149,9 @@ def run_one(config: str, wl, pages: int, max_len: int, concurrency: int, logs: P
         total = time.perf_counter() - t0
         s = summarize(records)
         errors = [r.error for r in records if not r.ok][:3]
-        return {"hit_rate": s["hit_rate"], "ttft_p50_s": s["ttft_s"].get("p50"),
+        placed = [] if single or config == "sglang_cache_aware" else placements(
+            logs / f"{config}.log", workers)
+        return {"placements": placed, "hit_rate": s["hit_rate"], "ttft_p50_s": s["ttft_s"].get("p50"),
                 "ttft_p90_s": s["ttft_s"].get("p90"), "total_s": total,
                 "requests": s["num_requests"], "errors": s["num_errors"],
                 "first_errors": errors, "prompt_tokens": s["prompt_tokens"],
@@ -158,6 +174,10 @@ def markdown(res: dict) -> str:
             p50, p90 = r["ttft_p50_s"], r["ttft_p90_s"]
             lines.append(f"| {cfg} | {r['hit_rate']:.1%} | {p50 * 1e3:.0f} ms | "
                          f"{p90 * 1e3:.0f} ms | {r['total_s']:.1f} s | {r['errors']} |")
+        for cfg, r in rows.items():
+            if r.get("placements"):
+                seq = " ".join(f"{'ab'[p['worker']]}{p['hit_pages']}" for p in r["placements"])
+                lines.append(f"\n{cfg} placements (worker, predicted hit pages): {seq}")
         one, kv = rows.get("single_engine_2x", {}), rows.get("kv", {})
         if one.get("hit_rate") and kv.get("hit_rate") is not None:
             lines += ["", f"kv hit rate / single engine's: {kv['hit_rate'] / one['hit_rate']:.1%}"]

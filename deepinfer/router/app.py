@@ -39,6 +39,8 @@ from .proxy import (StreamSniffer, cached_tokens, passed_headers, streamed,
 from .workers import Routed, Worker, WorkerPool
 
 log = logging.getLogger("deepinfer.router")
+# one line per pick at INFO: the worker, its predicted hit, each candidate's cost and load
+placement_log = logging.getLogger("deepinfer.router.placement")
 
 T = TypeVar("T")
 MAX_BODY_BYTES = 16 * 2**20
@@ -57,7 +59,8 @@ class Router:
         self.pool = WorkerPool([Worker(u, r) for u, r in roles], self.index,
                                config.health_interval_s, config.worker_api_key)
         self.policy = Policy(config.policy, self.index,
-                             CostWeights(config.overlap_weight, config.decode_weight))
+                             CostWeights(config.overlap_weight, config.decode_weight,
+                                         config.evict_weight))
         self.tokens = PromptTokenizer(tokenizer)
         self.client: httpx.AsyncClient | None = None
         self.retries = 0
@@ -70,7 +73,14 @@ class Router:
             raise APIError(503, f"no {which}worker is in rotation (all failed their health "
                                 "checks or refused the connection)",
                            type="server_error", code="no_worker")
-        return self.policy.pick(workers, prompt, use_cache=role != "decode")
+        choice = self.policy.pick(workers, prompt, use_cache=role != "decode")
+        if placement_log.isEnabledFor(logging.INFO):  # what benchmarks/router.py reads
+            placement_log.info("placement %s", json.dumps({
+                "role": role, "worker": choice.worker.url, "prompt_tokens": prompt.num_tokens,
+                "hit_pages": choice.overlap.pages, "costs": choice.costs,
+                "loads": {w.url: [w.prefill_pages, w.decoding, self.policy.free_pages(w)]
+                          for w in workers}}))
+        return choice
 
     def route(self, choice: Choice, prompt: RoutedPrompt, cached: bool) -> Routed:
         """The load ``prompt`` adds on the chosen worker; ``cached`` (it computes the prompt
@@ -215,6 +225,7 @@ class Router:
              "routed": w.routed, "in_flight": w.in_flight, "active_pages": w.active_pages,
              "prefill_pages": w.prefill_pages, "decoding": w.decoding,
              "index_pages": self.index.num_pages(w.url),
+             "device_pages": self.index.device_pages(w.url), "cache_pages": w.cache_pages,
              "pending_pages": self.index.num_pending(w.url),
              "predicted_hit_tokens": w.predicted_hit_tokens,
              "pending_hit_tokens": w.pending_hit_tokens,

@@ -19,9 +19,11 @@ class RouterConfig:
     decode_workers: list[str] = field(default_factory=list)  # ...then generated here
     policy: str = "kv"
     # Cost of a worker for a request (``policy.py``): overlap_weight x the prompt pages it would
-    # prefill + the pages its open requests still prefill + decode_weight x those decoding.
+    # prefill + the pages its open requests still prefill + decode_weight x those decoding
+    # + evict_weight x the cached pages the request would push out of its device pool.
     overlap_weight: float = 1.0
     decode_weight: float = 1.0
+    evict_weight: float = 1.0
     pending_ttl_s: float = 30.0  # how long a routed request's pages count before an event
     worker_api_key: str | None = None  # sent on the router's own calls (KV events, snapshots)
     model: str | None = None  # the workers' model (tokenizer + chat template); None: default
@@ -50,7 +52,8 @@ class RouterConfig:
         if len(set(every)) != len(every):
             raise ValueError("a worker URL is given twice")
         for name, v in (("overlap_weight", self.overlap_weight),
-                        ("decode_weight", self.decode_weight), ("pending_ttl_s", self.pending_ttl_s)):
+                        ("decode_weight", self.decode_weight),
+                        ("evict_weight", self.evict_weight), ("pending_ttl_s", self.pending_ttl_s)):
             if v < 0:
                 raise ValueError(f"{name} must be >= 0")
         if not (0 <= self.port < 65536):
@@ -80,6 +83,9 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                         "requests still prefill + --decode-weight x those decoding")
     p.add_argument("--decode-weight", type=float, default=d.decode_weight,
                    help="pages-worth of work the kv cost counts per request decoding")
+    p.add_argument("--evict-weight", type=float, default=d.evict_weight,
+                   help="kv cost per cached page the request would push out of a worker's "
+                        "device pool (the pages it adds beyond the free ones)")
     p.add_argument("--pending-ttl", type=float, default=d.pending_ttl_s,
                    help="seconds a routed request's pages count as on its worker before the "
                         "worker's KV events confirm them")
@@ -105,6 +111,7 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
     return RouterConfig(workers=args.worker, prefill_workers=args.prefill_worker,
                         decode_workers=args.decode_worker, policy=args.policy,
                         overlap_weight=args.overlap_weight, decode_weight=args.decode_weight,
+                        evict_weight=args.evict_weight,
                         pending_ttl_s=args.pending_ttl,
                         worker_api_key=args.worker_api_key or None, model=args.model,
                         chat_template=read_chat_template(args.chat_template), host=args.host,

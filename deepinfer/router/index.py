@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from ..kv.radix import TIER_NAMES
 
 _TIER = {name: i for i, name in enumerate(TIER_NAMES)}
+_DEVICE = 1 << _TIER["device"]
 
 
 @dataclass
@@ -38,6 +39,7 @@ class PrefixIndex:
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._held: dict[str, dict[bytes, int]] = {}  # worker -> page hash -> tier bitmask
         self._pending: dict[str, dict[bytes, float]] = {}  # worker -> page hash -> expiry
+        self._device: dict[str, int] = {}  # worker -> how many of its held pages are in L1
         self.pending_ttl_s = pending_ttl_s
         self._clock = clock
 
@@ -50,30 +52,33 @@ class PrefixIndex:
                 key = bytes.fromhex(h)
                 held[key] = held.get(key, 0) | bit
         self._held[worker] = held
+        self._device[worker] = sum(1 for bits in held.values() if bits & _DEVICE)
         self._pending.pop(worker, None)
 
     def drop(self, worker: str) -> None:
         self._held.pop(worker, None)
         self._pending.pop(worker, None)
+        self._device.pop(worker, None)
 
     def apply(self, worker: str, events: Iterable[dict]) -> None:
         """Apply ``/kv/events`` entries (stored/removed, tier, hex hashes) in order."""
         held = self._held.setdefault(worker, {})
         pending = self._pending.get(worker, {})
+        device = self._device.get(worker, 0)
         for e in events:
             bit = 1 << _TIER[e["tier"]]
             stored = e["type"] == "stored"
             for h in e["hashes"]:
                 key = bytes.fromhex(h)
                 pending.pop(key, None)  # confirmed, or evicted: the event knows better
-                if stored:
-                    held[key] = held.get(key, 0) | bit
-                    continue
-                left = held.get(key, 0) & ~bit
-                if left:
-                    held[key] = left
+                was = held.get(key, 0)
+                now = was | bit if stored else was & ~bit
+                device += bool(now & _DEVICE) - bool(was & _DEVICE)
+                if now:
+                    held[key] = now
                 else:
                     held.pop(key, None)
+        self._device[worker] = device
 
     def add_pending(self, worker: str, hashes: Sequence[bytes]) -> None:
         """``hashes`` (a request routed to ``worker``) are expected there soon."""
@@ -111,6 +116,10 @@ class PrefixIndex:
 
     def num_pages(self, worker: str) -> int:
         return len(self._held.get(worker, {}))
+
+    def device_pages(self, worker: str) -> int:
+        """Pages the worker holds in its device pool (L1), by its events."""
+        return self._device.get(worker, 0)
 
     def num_pending(self, worker: str) -> int:
         pending = self._pending.get(worker, {})

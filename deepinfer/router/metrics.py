@@ -32,6 +32,8 @@ _PER_WORKER = (
      lambda w: w.decoding),
 )
 _INDEX = (("index_pages", "pages the prefix index says the worker holds", PrefixIndex.num_pages),
+          ("device_pages", "of those, pages in the worker's device pool (L1)",
+           PrefixIndex.device_pages),
           ("pending_pages", "pages routed to the worker that no KV event confirmed yet",
            PrefixIndex.num_pending))
 

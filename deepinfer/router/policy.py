@@ -6,14 +6,18 @@ leading pages the prefix index says the worker holds or has pending) against the
 router already has open on it: the pages its requests still prefill, and a share per request
 that is decoding (each step serves them too). ``overlap_weight`` > 1 counts a page computed
 again as more than the wait it causes (the cluster computes it twice), which keeps requests
-sharing a new prefix together. Ties go to the less loaded worker, then in turn, so equal cold
-requests spread out. ``least_load`` uses the load alone (a PD decode worker too).
+sharing a new prefix together. A worker whose device cache is nearly full pays for the pages
+the request would push out of it (``evict_weight`` each): the pages it adds (prompt +
+max_tokens, less its hit) beyond the free ones, free being the pool's size (from the worker's
+snapshot) less the pages its events say it holds and those pending there; what a full worker
+evicts is what its next turns would have hit. Ties go to the less loaded worker, then in turn,
+so equal cold requests spread out. ``least_load`` uses the load alone (a PD decode worker too).
 """
 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .index import Overlap, PrefixIndex
 from .prompts import RoutedPrompt
@@ -25,6 +29,7 @@ class Choice:
     worker: Worker
     overlap: Overlap  # the index's prediction for this worker
     page_size: int | None  # the worker's (None: not synced yet; no prediction)
+    costs: dict[str, float] = field(default_factory=dict)  # kv: each candidate's, by URL
 
     @property
     def predicted_hit_tokens(self) -> int:
@@ -39,6 +44,7 @@ class Choice:
 class CostWeights:
     overlap_weight: float = 1.0  # per page the request would prefill on the worker
     decode_weight: float = 1.0  # pages-worth of work per request decoding there
+    evict_weight: float = 1.0  # per cached page the request would push out of the worker's L1
 
 
 def busy(load: Load, weights: CostWeights) -> float:
@@ -46,9 +52,17 @@ def busy(load: Load, weights: CostWeights) -> float:
     return load.prefill_pages + weights.decode_weight * load.decoding
 
 
-def kv_cost(to_prefill: int, load: Load, weights: CostWeights) -> tuple[float, float]:
-    """(cost, tie-break) of a worker that would prefill ``to_prefill`` pages under ``load``."""
-    return weights.overlap_weight * to_prefill + busy(load, weights), busy(load, weights)
+def overflow(adds: int, free: int) -> int:
+    """Cached pages a worker evicts to make room for ``adds`` new pages when ``free`` are free."""
+    return max(0, adds - max(0, free))
+
+
+def kv_cost(to_prefill: int, load: Load, weights: CostWeights, evicts: int = 0
+            ) -> tuple[float, float]:
+    """(cost, tie-break) of a worker that would prefill ``to_prefill`` pages under ``load``,
+    pushing ``evicts`` cached pages out."""
+    b = busy(load, weights)
+    return weights.overlap_weight * to_prefill + weights.evict_weight * evicts + b, b
 
 
 class Policy:
@@ -64,6 +78,18 @@ class Policy:
             return Overlap()
         return self.index.overlap(w.url, prompt.page_hashes(w.model_identity, w.page_size))
 
+    def free_pages(self, w: Worker) -> int | None:
+        """Device pages neither held nor pending on ``w`` (None: its pool size is not known)."""
+        if not w.synced or w.cache_pages is None:
+            return None
+        return w.cache_pages - self.index.device_pages(w.url) - self.index.num_pending(w.url)
+
+    def cost(self, w: Worker, prompt: RoutedPrompt, hit: Overlap) -> tuple[float, float]:
+        free = self.free_pages(w)
+        adds = prompt.pages(w.page_size) - hit.pages
+        return kv_cost(prompt.prompt_pages(w.page_size) - hit.pages, w.load, self.weights,
+                       0 if free is None else overflow(adds, free))
+
     def pick(self, workers: list[Worker], prompt: RoutedPrompt, use_cache: bool = True) -> Choice:
         """``workers``: the healthy candidates (not empty). ``use_cache`` False: by load only
         (a PD decode worker, whose cache the prefill worker's pages fill)."""
@@ -76,6 +102,8 @@ class Policy:
         elif self.name == "least_load" or not use_cache:
             best = min(order, key=lambda w: (busy(w.load, self.weights), w.active_pages))
         else:
-            best = min(order, key=lambda w: kv_cost(
-                prompt.prompt_pages(w.page_size) - overlaps[w.url].pages, w.load, self.weights))
+            costs = {w.url: self.cost(w, prompt, overlaps[w.url]) for w in order}
+            best = min(order, key=lambda w: costs[w.url])
+            return Choice(best, overlaps[best.url], best.page_size,
+                          {u: c for u, (c, _) in costs.items()})
         return Choice(best, overlaps[best.url], best.page_size)

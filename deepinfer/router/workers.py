@@ -56,6 +56,7 @@ class Worker:
     event_resets: int = 0
     model_identity: str | None = None  # from its snapshot: the root of its page hashes
     page_size: int | None = None
+    cache_pages: int | None = None  # from its snapshot: the pages its device pool can hold
 
     @property
     def load(self) -> Load:

@@ -10,8 +10,9 @@ the snapshot, which is taken on the engine thread and so is an exact cut of the 
 
 Endpoints: ``GET /kv/events?since=N&wait=S`` (long poll: answers as soon as there is an
 event after N, or after S seconds with none) and ``GET /kv/snapshot`` (every page held, per
-tier, the sequence number it is current to, and what a router needs to hash prompts the
-same way: the model identity and the page size).
+tier, the sequence number it is current to, what a router needs to hash prompts the same way:
+the model identity and the page size, and ``cache_pages``, how many pages the device pool
+holds, so a router can tell from the device events how full it is).
 """
 
 from __future__ import annotations
@@ -103,6 +104,7 @@ def _snapshot(aeng: AsyncEngine, log: KVEventLog) -> dict:
     for h, t in kv.tree.held_pages():
         by_tier[TIER_NAMES[t]].append(h.hex())
     return {"seq": log.seq, "page_size": kv.page_size, "model_identity": kv.model_identity,
+            "cache_pages": kv.allocator.num_pages - 1,  # page 0 is padding, never handed out
             "pages": by_tier}
 
 

@@ -147,3 +147,78 @@ def test_stream_sniffer_finds_usage_and_the_first_token():
            b'\n\nevent: message_delta\ndata: {"usage": {"cache_read_input_tokens": 12}}\n\n')
     assert a.cached_tokens == 12
     assert cached_tokens({"cache_read_input_tokens": 3, "input_tokens": 5}) == 3
+
+
+def test_index_counts_the_pages_each_worker_holds_in_its_device_pool():
+    idx = PrefixIndex()
+    h = chain_hashes(list(range(40)), PS, ROOT)  # 10 pages
+    idx.reset("w", {"device": _hex(h[:4]), "host": _hex(h[2:6])})
+    assert (idx.device_pages("w"), idx.num_pages("w")) == (4, 6)
+    idx.apply("w", [{"type": "stored", "tier": "device", "hashes": _hex(h[4:8])},  # 2 from L2
+                    {"type": "stored", "tier": "device", "hashes": _hex(h[0:1])},  # again: no-op
+                    {"type": "removed", "tier": "device", "hashes": _hex(h[0:2])},
+                    {"type": "removed", "tier": "host", "hashes": _hex(h[2:4])},  # L1 keeps them
+                    {"type": "removed", "tier": "device", "hashes": _hex(h[9:10])}])  # unknown
+    assert (idx.device_pages("w"), idx.num_pages("w")) == (6, 6)  # h[2:8]
+    idx.drop("w")
+    assert idx.device_pages("w") == 0
+
+
+def test_overflow_is_what_the_new_pages_need_beyond_the_free_ones():
+    from deepinfer.router.policy import overflow
+
+    assert [overflow(5, 8), overflow(5, 5), overflow(5, 2), overflow(5, -3)] == [0, 0, 3, 5]
+    weights = CostWeights(overlap_weight=1.0, decode_weight=1.0, evict_weight=2.0)
+    assert kv_cost(3, Load(prefill_pages=4), weights, evicts=5) == (3 + 2 * 5 + 4, 4)
+
+
+def _full_worker_and_empty_one(hot: list[int]) -> tuple[PrefixIndex, Worker, Worker]:
+    """a: a 20-page pool, full (its 20 pages: ``hot``'s first pages, then others); b: a
+    40-page pool, empty."""
+    idx = PrefixIndex()
+    a, b = _worker("a"), _worker("b")
+    a.cache_pages, b.cache_pages = 20, 40
+    mine = chain_hashes(hot, PS, ROOT)
+    others = chain_hashes(list(range(5000, 5000 + 4 * (20 - len(mine)))), PS, ROOT)
+    idx.reset("a", {"device": _hex(mine + others)})
+    idx.reset("b", {"device": []})
+    return idx, a, b
+
+
+def test_a_full_worker_pays_for_what_the_request_evicts_there():
+    """The request: 88 prompt tokens (22 pages; 23 with its 4 max_tokens). a (full) holds its
+    first 4 pages: it would prefill 18 and push 19 cached pages out (cost 18 + 19 = 37) where
+    b (empty) prefills all 22 (cost 22): b. Without the eviction term a would win (18 < 22)."""
+    tokens = list(range(88))
+    idx, a, b = _full_worker_and_empty_one(tokens[:16])
+    p = _prompt(tokens)
+    assert Policy("kv", idx).free_pages(a) == 0 and Policy("kv", idx).free_pages(b) == 40
+    assert Policy("kv", idx).pick([a, b], p).worker is b
+    assert Policy("kv", idx, CostWeights(evict_weight=0.0)).pick([a, b], p).worker is a
+    # a long hit outweighs the eviction: a holds 16 of its pages, prefills 6 and evicts 7
+    # (6 + 7 = 13 < 22)
+    idx, a, b = _full_worker_and_empty_one(tokens[:64])
+    assert Policy("kv", idx).pick([a, b], p).worker is a
+
+
+def test_pending_pages_take_free_room_until_their_events_arrive():
+    """Two cold 10-page requests (11 pages with max_tokens) onto a 12-page worker a and a
+    12-page worker b, b busy with a 5-page prefill: the first goes to a (10 < 10 + 5); its 9
+    hashed pages pending there leave a 3 free, so the second would evict 8 there (10 + 8 =
+    18) and goes to b (10 + 5 = 15). Once a's events say those pages are stored, free room is
+    the same 3: still b."""
+    idx = PrefixIndex()
+    a, b = _worker("a"), _worker("b")
+    a.cache_pages = b.cache_pages = 12
+    idx.reset("a", {"device": []})
+    idx.reset("b", {"device": []})
+    b.prefill_pages = 5
+    kv = Policy("kv", idx)
+    p1, p2 = _prompt(list(range(40))), _prompt(list(range(100, 140)))
+    assert kv.pick([a, b], p1).worker is a
+    idx.add_pending("a", p1.page_hashes("model-x", PS))
+    assert kv.free_pages(a) == 12 - 9  # 9 hashed pages (the last token is always computed)
+    assert kv.pick([a, b], p2).worker is b
+    idx.apply("a", [{"type": "stored", "tier": "device",
+                     "hashes": _hex(p1.page_hashes("model-x", PS))}])
+    assert kv.free_pages(a) == 3 and kv.pick([a, b], p2).worker is b
