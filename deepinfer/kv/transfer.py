@@ -10,8 +10,11 @@ a store keeps (``tiers/disk_file.py``: header bound to the page's chained hash a
 codec-tagged payload, checksum), so the decode side checks it exactly as it checks a store's.
 
 ``TransferDescriptor`` is what the prefill worker answers and the decode worker is handed
-(``x-deepinfer-kv-transfer``): where the pages lie, how many and how long each is, and the
-digest of their checksums. The pages' keys and hashes are in their own headers.
+(``x-deepinfer-kv-transfer``): where the pages lie, how many and how long each is, and where
+their *manifest* lies (each page's chained hash and checksum, in order) with the manifest's
+digest. The decode worker reads the manifest first, leaves out the leading pages its own tree
+holds (earlier turns of a conversation), and reads only the rest, each page's checksum checked
+against the manifest's. The pages' keys are in their own headers.
 """
 
 from __future__ import annotations
@@ -36,7 +39,8 @@ class TransferDescriptor:
     address: int  # first page's address in the prefill worker's arena
     page_bytes: int  # bytes of one page as stored (header, payload, checksum)
     pages: int  # consecutive pages from ``address``: the prompt's first full pages
-    tags: str  # hex xxh3-128 over the pages' checksums, in order (what the decode side must get)
+    manifest_address: int  # ``pages`` entries: a page's chained hash, then its checksum
+    tags: str  # hex xxh3-128 of the manifest (what the decode side must read)
     release_url: str  # POST here once pulled (a TTL frees the pages otherwise)
 
     def to_dict(self) -> dict[str, str | int]:
@@ -48,7 +52,7 @@ class TransferDescriptor:
         if not isinstance(v, dict):
             raise ValueError("must be a JSON object")
         kinds = {"transfer_id": str, "session": str, "address": int, "page_bytes": int,
-                 "pages": int, "tags": str, "release_url": str}
+                 "pages": int, "manifest_address": int, "tags": str, "release_url": str}
         for name, kind in kinds.items():
             x = v.get(name)
             if not isinstance(x, kind) or isinstance(x, bool) or (kind is int and x < 0):

@@ -4,8 +4,9 @@ in its registered arena until the decode worker has read them.
 ``capture`` runs on the engine thread right after the prefill: it copies the prompt's leading
 full pages that are still in L1 (one gather, so the pool may reuse them at once). The call it
 returns encodes them with the L3 codec into the store's page format (``tiers/disk_file.py``:
-the same bytes a store would hold, checksummed and bound to the page) in one arena range, and
-answers the ``TransferDescriptor``. The range is freed when the decode worker says so
+the same bytes a store would hold, checksummed and bound to the page) in one arena range, with
+their manifest after them (``transfer.py``), and answers the ``TransferDescriptor``. The
+range is freed when the decode worker says so
 (``release``) or when its TTL runs out (a decode worker that never came); an arena without
 room refuses the export, and the caller takes the store route instead.
 """
@@ -71,26 +72,28 @@ class PageExporter:
         size = len(files[0][0]) + rows.shape[1] + len(files[0][1])
         # headers are fixed-size fields in practice; a run stops at one that is not
         n = next((i for i, (h, t) in enumerate(files) if len(h) + rows.shape[1] + len(t) != size), n)
+        manifest = b"".join(plan.hashes[i] + tag for i, (_, tag) in enumerate(files[:n]))
+        nbytes = n * size + len(manifest)
         self.sweep()
-        off = self._alloc(n * size)
+        off = self._alloc(nbytes)
         if off is None:
             return None
         out = self.arena.buffer.numpy()
-        digest = xxhash.xxh3_128()
         for i, (head, tag) in enumerate(files[:n]):
             at = off + i * size
             for part in (np.frombuffer(head, np.uint8), rows[i], np.frombuffer(tag, np.uint8)):
                 out[at : at + part.size] = part
                 at += part.size
-            digest.update(tag)
+        out[off + n * size : off + nbytes] = np.frombuffer(manifest, np.uint8)
         tid = uuid.uuid4().hex
         with self._lock:
-            self._exports[tid] = _Export(off, n * size, time.monotonic() + self.ttl_s)
+            self._exports[tid] = _Export(off, nbytes, time.monotonic() + self.ttl_s)
             self.counters["exports"] += 1
             self.counters["pages_exported"] += n
-            self.counters["bytes_exported"] += n * size
-        return TransferDescriptor(tid, self.session, self.arena.address + off, size, n,
-                                  digest.hexdigest(), release_url)
+            self.counters["bytes_exported"] += nbytes
+        base = self.arena.address + off
+        return TransferDescriptor(tid, self.session, base, size, n, base + n * size,
+                                  xxhash.xxh3_128(manifest).hexdigest(), release_url)
 
     def _alloc(self, nbytes: int) -> int | None:
         off = self.arena.alloc(nbytes)

@@ -1,11 +1,12 @@
 """A decode worker's side of the direct route (``transfer.py``): a prefill worker's pages read
 into this worker's registered arena, then served to the tier-load path like L3 pages.
 
-``PagePuller.pull`` reads a ``TransferDescriptor``'s pages with one transfer-engine read into a
-range of the arena and checks that the pages' checksums are the ones described (else the run
-is dropped: it is not what the prefill worker exported). ``StagedPages.stage`` then indexes
-them, leaving out the leading pages this worker's tree already holds (the request will not read
-those: earlier turns of a conversation).
+``PagePuller.manifest`` reads a ``TransferDescriptor``'s manifest (each page's chained hash
+and checksum) and checks it is the one described; the caller counts the leading pages its tree
+already holds (the request will not read those: earlier turns of a conversation), and
+``PagePuller.pull`` reads the pages after those with one transfer-engine read into a range of
+the arena, each page's checksum checked against the manifest's (else the run is dropped: it is
+not what the prefill worker exported). ``StagedPages.stage`` then indexes them.
 
 ``StagedPages`` is a ``PageStore`` put in front of the L3 store (``TierIO.put_in_front``), so
 the request's lookup finds the staged pages as L3 pages and the loaders read them as they read
@@ -27,13 +28,22 @@ from dataclasses import dataclass, field
 
 import xxhash
 
+from .hashing import HASH_BYTES
 from .tiers.disk_file import PREFIX, BadFile, PageFormat, PageId
 from .tiers.page_store import PREFILL_WORKER, PageItem, PageStore, copy_payload
 from .transfer import Arena, TransferDescriptor, TransferError, TransferLink
 
 log = logging.getLogger(__name__)
-IMPORT_COUNTERS = ("pulls", "pages_pulled", "bytes_pulled", "pages_staged", "pages_read",
+IMPORT_COUNTERS = ("pulls", "pages_pulled", "bytes_pulled", "pages_held", "pages_read",
                    "checksum_failures", "bad_runs", "expired_pages")
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A transfer's pages in order: their chained hashes and checksum tags."""
+
+    hashes: list[bytes]
+    tags: list[bytes]
 
 
 @dataclass
@@ -42,11 +52,12 @@ class PulledRun:
     header, not yet checked: the loaders check each page when they read it)."""
 
     offset: int
-    nbytes: int
+    nbytes: int  # 0: nothing pulled (the tree held every page)
     page_bytes: int
     keys: list[str]
     hashes: list[bytes]
-    seconds: float  # the read and the checks
+    seconds: float  # the reads and the checks
+    held: int = 0  # the transfer's leading pages not pulled: the tree held them
     serves: set[str] = field(default_factory=set)  # staged pages it holds, still wanted
     expires: float = 0.0
 
@@ -75,19 +86,30 @@ class StagedPages(PageStore):
         self.counters = dict.fromkeys(IMPORT_COUNTERS, 0)
 
     # ------------------------------------------------------------------ staging
-    def check(self, offset: int, d: TransferDescriptor) -> tuple[list[str], list[bytes]]:
-        """The keys and hashes of the run ``d`` read to ``offset`` (the leading pages whose
-        header names them). TransferError if the pages' checksums are not ``d``'s."""
-        digest = xxhash.xxh3_128()
-        for i in range(d.pages):
-            end = offset + (i + 1) * d.page_bytes
-            digest.update(self.arena.view(end - self.tag_bytes, self.tag_bytes))
-        if digest.hexdigest() != d.tags:
+    def read_manifest(self, offset: int, d: TransferDescriptor) -> Manifest:
+        """The manifest ``d`` describes, read to ``offset``. TransferError if its digest is not
+        ``d``'s (the range was freed and reused, or the descriptor is wrong)."""
+        entry = HASH_BYTES + self.tag_bytes
+        raw = bytes(self.arena.view(offset, d.pages * entry))
+        if xxhash.xxh3_128(raw).hexdigest() != d.tags:
             self._count("bad_runs")
             raise TransferError("the pages read are not the ones described (checksums differ)")
+        return Manifest([raw[i : i + HASH_BYTES] for i in range(0, len(raw), entry)],
+                        [raw[i + HASH_BYTES : i + entry] for i in range(0, len(raw), entry)])
+
+    def check(self, offset: int, n: int, page_bytes: int, tags: list[bytes]
+              ) -> tuple[list[str], list[bytes]]:
+        """The keys and hashes of the ``n`` pages read to ``offset`` (the leading pages whose
+        header names them). TransferError if their checksums are not ``tags``."""
+        for i in range(n):
+            end = offset + (i + 1) * page_bytes
+            if bytes(self.arena.view(end - self.tag_bytes, self.tag_bytes)) != tags[i]:
+                self._count("bad_runs")
+                raise TransferError("the pages read are not the ones described "
+                                    "(checksums differ)")
         keys, hashes = [], []
-        for i in range(d.pages):
-            view = self.arena.view(offset + i * d.page_bytes, d.page_bytes)
+        for i in range(n):
+            view = self.arena.view(offset + i * page_bytes, page_bytes)
             try:
                 _, _, hlen = PREFIX.unpack_from(view)
                 header = json.loads(bytes(view[PREFIX.size : PREFIX.size + hlen]))
@@ -100,12 +122,11 @@ class StagedPages(PageStore):
             hashes.append(page)
         return keys, hashes
 
-    def stage(self, run: PulledRun, skip: int) -> int:
-        """Serve ``run``'s pages from ``skip`` on (those before are in the tree already):
-        -> pages staged. A run that holds none of them is freed at once."""
+    def stage(self, run: PulledRun) -> int:
+        """Serve ``run``'s pages: -> pages staged. A run that holds none of them (none pulled,
+        or a concurrent run of the same prefix holds them all) is freed at once."""
         with self._lock:
-            for i in range(skip, len(run.keys)):
-                key = run.keys[i]
+            for i, key in enumerate(run.keys):
                 self._wanted[key] = self._wanted.get(key, 0) + 1
                 if key not in self._pages:  # else a concurrent run of the same prefix holds it
                     self._pages[key] = (run, run.offset + i * run.page_bytes)
@@ -115,12 +136,13 @@ class StagedPages(PageStore):
             c["pulls"] += 1
             c["pages_pulled"] += len(run.keys)
             c["bytes_pulled"] += run.nbytes
-            c["pages_staged"] += len(run.keys) - skip
+            c["pages_held"] += run.held
             if run.serves:
                 self._runs[run.offset] = run
-                return len(run.keys) - skip
-        self.arena.free(run.offset, run.nbytes)
-        return len(run.keys) - skip
+                return len(run.keys)
+        if run.nbytes:
+            self.arena.free(run.offset, run.nbytes)
+        return len(run.keys)
 
     def _count(self, name: str, n: int = 1) -> None:
         with self._lock:
@@ -226,23 +248,46 @@ class PagePuller:
         self.staged = staged
         self.arena = staged.arena
 
-    def pull(self, d: TransferDescriptor, abandoned: threading.Event) -> PulledRun:
-        """Blocking: the pages read and checked, not staged yet (``StagedPages.stage``).
-        TransferError if they cannot be read or are not the ones described, or if the caller
-        gave up meanwhile (``abandoned``)."""
-        t0 = time.perf_counter()
-        nbytes = d.pages * d.page_bytes
+    def manifest(self, d: TransferDescriptor) -> Manifest:
+        """Blocking: ``d``'s manifest, read and checked (TransferError if it cannot be read or
+        is not the one described)."""
+        nbytes = d.pages * (HASH_BYTES + self.staged.tag_bytes)
         self.staged.sweep()
         off = self.arena.alloc(nbytes) if nbytes else None
         if off is None:
             raise TransferError(f"no room for {nbytes} bytes in the staging buffer"
                                 if nbytes else "no pages described")
         try:
-            self.link.read(d.session, self.arena.address + off, d.address, nbytes)
-            keys, hashes = self.staged.check(off, d)
+            self.link.read(d.session, self.arena.address + off, d.manifest_address, nbytes)
+            return self.staged.read_manifest(off, d)
+        finally:
+            self.arena.free(off, nbytes)
+
+    def pull(self, d: TransferDescriptor, manifest: Manifest, held: int,
+             abandoned: threading.Event) -> PulledRun:
+        """Blocking: ``d``'s pages after the first ``held`` (this worker's tree has those)
+        read and checked against ``manifest``, not staged yet (``StagedPages.stage``).
+        TransferError if they cannot be read or are not the ones described, or if the caller
+        gave up meanwhile (``abandoned``)."""
+        t0 = time.perf_counter()
+        if abandoned.is_set():
+            raise TransferError("abandoned")
+        n = d.pages - held
+        if n <= 0:
+            return PulledRun(0, 0, d.page_bytes, [], [], time.perf_counter() - t0, held=d.pages)
+        nbytes = n * d.page_bytes
+        self.staged.sweep()
+        off = self.arena.alloc(nbytes)
+        if off is None:
+            raise TransferError(f"no room for {nbytes} bytes in the staging buffer")
+        try:
+            self.link.read(d.session, self.arena.address + off,
+                           d.address + held * d.page_bytes, nbytes)
+            keys, hashes = self.staged.check(off, n, d.page_bytes, manifest.tags[held:])
             if abandoned.is_set():
                 raise TransferError("abandoned")
         except BaseException:
             self.arena.free(off, nbytes)
             raise
-        return PulledRun(off, nbytes, d.page_bytes, keys, hashes, time.perf_counter() - t0)
+        return PulledRun(off, nbytes, d.page_bytes, keys, hashes, time.perf_counter() - t0,
+                         held=held)

@@ -3,7 +3,8 @@
 A request handed over by a prefill worker carries its counts in ``PREFILL_HEADER``
 (``prefill_counts``; they come back in its usage as ``prefill_worker``) and, on the direct
 route (``--pd-transfer direct``), the descriptor of its exported pages in ``TRANSFER_HEADER``.
-``DecodeWorker.receive`` reads those pages into this worker's arena
+``DecodeWorker.receive`` reads their manifest, then only the pages this worker's tree lacks
+(those it holds, earlier turns of the conversation, never cross the link), into its arena
 (``kv/transfer_import.py``) before the request is queued, so its lookup finds them as L3
 pages, and tells the prefill worker to free them. When this worker has no transfer engine, or
 the read fails or takes longer than ``--pd-transfer-timeout``, the request takes the store
@@ -18,6 +19,7 @@ import asyncio
 import json
 import logging
 import threading
+import time
 from collections import Counter
 
 import httpx
@@ -88,8 +90,9 @@ class DecodeWorker:
 
     async def receive(self, request: Request) -> dict[str, int | float] | None:
         """The prefill worker's counts ``request`` carries (``prefill_counts``); with a
-        descriptor, its pages pulled first, and ``pages_pulled``, ``pages_staged`` (those the
-        tree lacked) and ``pull_s`` added (400 if the descriptor is malformed)."""
+        descriptor, the pages this worker lacks pulled first, and ``pages_pulled``,
+        ``pages_held`` (the leading pages its tree had, not pulled) and ``pull_s`` added (400
+        if the descriptor is malformed)."""
         counts = prefill_counts(request)
         raw = request.headers.get(TRANSFER_HEADER)
         if raw is None:
@@ -98,7 +101,7 @@ class DecodeWorker:
             d = TransferDescriptor.from_dict(json.loads(raw))
         except ValueError as e:
             raise APIError(400, f"header {TRANSFER_HEADER}: {e}", param=TRANSFER_HEADER) from None
-        pages, staged, seconds = 0, 0, 0.0
+        pages, held, seconds = 0, 0, 0.0
         if self.puller is None:
             self._fallback("no_transfer_engine", "no transfer engine here (start with "
                            "--role decode --pd-transfer direct)")
@@ -106,34 +109,45 @@ class DecodeWorker:
             assert self.staged is not None
             run = await self._pull(d)
             if run is not None:
-                kv = self.async_engine.engine.kv
-                skip = await self.async_engine.call(lambda: _in_tree(kv, run.hashes))
-                staged = self.staged.stage(run, skip)
-                pages, seconds = len(run.keys), run.seconds
+                pages = self.staged.stage(run)
+                held, seconds = run.held, run.seconds
         self._release(d)  # (a decode worker without a transfer engine frees it too)
-        return {**(counts or {}), "pages_pulled": pages, "pages_staged": staged,
+        return {**(counts or {}), "pages_pulled": pages, "pages_held": held,
                 "pull_s": round(seconds, 6)}
 
     async def _pull(self, d: TransferDescriptor) -> PulledRun | None:
-        """``d``'s pages read and checked; None (counted) if they cannot be."""
-        assert self.puller is not None
+        """The pages of ``d`` this worker lacks, read and checked; None (counted) if they
+        cannot be."""
         abandoned = threading.Event()
-        fut = asyncio.get_running_loop().run_in_executor(None, self.puller.pull, d, abandoned)
+        task = asyncio.ensure_future(self._fetch(d, abandoned))
         try:
-            return await asyncio.wait_for(asyncio.shield(fut), self.config.pd_transfer_timeout_s)
+            return await asyncio.wait_for(asyncio.shield(task), self.config.pd_transfer_timeout_s)
         except TransferError as e:
             self._fallback("transfer_failed", str(e))
         except asyncio.TimeoutError:
             abandoned.set()
-            fut.add_done_callback(self._discard)
+            task.add_done_callback(self._discard)
             self._fallback("timeout", f"no answer in {self.config.pd_transfer_timeout_s} s")
         return None
+
+    async def _fetch(self, d: TransferDescriptor, abandoned: threading.Event) -> PulledRun:
+        """The manifest, the leading pages the tree holds counted, then the rest read."""
+        assert self.puller is not None
+        loop = asyncio.get_running_loop()
+        t0 = time.perf_counter()
+        manifest = await loop.run_in_executor(None, self.puller.manifest, d)
+        kv = self.async_engine.engine.kv
+        held = await self.async_engine.call(lambda: _in_tree(kv, manifest.hashes))
+        run = await loop.run_in_executor(None, self.puller.pull, d, manifest, held, abandoned)
+        run.seconds = time.perf_counter() - t0
+        return run
 
     def _discard(self, fut: asyncio.Future) -> None:
         """A pull given up on that finished anyway: free its range."""
         if not fut.cancelled() and fut.exception() is None and self.staged is not None:
             run = fut.result()
-            self.staged.arena.free(run.offset, run.nbytes)
+            if run.nbytes:
+                self.staged.arena.free(run.offset, run.nbytes)
 
     def _fallback(self, reason: str, why: str) -> None:
         self.fallbacks[reason] += 1

@@ -10,7 +10,7 @@ import time
 
 import httpx
 import pytest
-from router_procs import PAGE, RouterThread
+from router_procs import PAGE, WORKER_PAGES, RouterThread
 from deepinfer.cli import main
 from deepinfer.router import events
 from deepinfer.router.index import PrefixIndex
@@ -72,6 +72,14 @@ def test_turns_land_on_the_worker_holding_the_prefix(kv_router, workers):
     # predictions come from the same hashes the workers use: never more than they report
     assert all(w["predicted_hit_tokens"] <= w["reported_hit_tokens"] for w in st.values())
     assert metric(kv_router, "reported_hit_tokens_total") > before
+    # the free-cache term's inputs: each pool's size from its snapshot, and the device pages
+    # the events replayed to, exactly what the worker holds in L1
+    settle(kv_router, urls)
+    st = state(kv_router)
+    for u in urls:
+        snap = httpx.get(u + "/kv/snapshot").json()
+        assert st[u]["cache_pages"] == snap["cache_pages"] == WORKER_PAGES - 1
+        assert st[u]["device_pages"] == len(snap["pages"]["device"]) > 0
 
 
 def test_round_robin_alternates_and_hits_less(kv_router, rr_router, workers):
