@@ -151,7 +151,8 @@ def run_one(config: str, wl, pages: int, max_len: int, concurrency: int, logs: P
         errors = [r.error for r in records if not r.ok][:3]
         placed = [] if single or config == "sglang_cache_aware" else placements(
             logs / f"{config}.log", workers)
-        return {"placements": placed, "hit_rate": s["hit_rate"], "ttft_p50_s": s["ttft_s"].get("p50"),
+        return {"placements": placed, "hit_rate": s["hit_rate"],
+                "ttft_p50_s": s["ttft_s"].get("p50"),
                 "ttft_p90_s": s["ttft_s"].get("p90"), "total_s": total,
                 "requests": s["num_requests"], "errors": s["num_errors"],
                 "first_errors": errors, "prompt_tokens": s["prompt_tokens"],
