@@ -48,7 +48,9 @@ class PackedWeight:
         return QuantizedWeight(codes, _rows(self.scale, n), offset, self.bits, GROUP)
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        return self.unpack().dequantize(dtype)
+        """[N, K] in ``dtype``, straight from the packed codes (the native kernel's op)."""
+        w = torch.ops.deepinfer_quant.dequantize(self.codes, self.scale, self.offset, self.out_features, self.bits)
+        return w.to(dtype)
 
 
 def pack_weight(w: QuantizedWeight) -> PackedWeight:

@@ -90,6 +90,18 @@ int32_t quantize_block(const float* x, int16_t* q, float* d, float L) {
   return sum;
 }
 
+// Code of row r, column j of a block's group (the layout above).
+template <int BITS>
+inline int32_t code(const uint8_t* q, int r, int j) {
+  const int p = j / 2, lane = 2 * r + j % 2;
+  if constexpr (BITS == 8) {
+    return static_cast<int8_t>(q[32 * (p / 2) + 2 * lane + p % 2]);
+  } else {
+    const int s = p % 4;
+    return (q[32 * (p / 4) + 2 * lane + s / 2] >> (4 * (s % 2))) & 0x0F;
+  }
+}
+
 #ifdef DEEPINFER_AVX2
 
 // Pair p of a block's group as 16 int16 lanes (see the layout above); chunk = the 32 bytes holding it.
@@ -194,18 +206,6 @@ void block_tile(const Rows& a, const Packed& w, int64_t N, int64_t n0, int valid
 }
 
 #else  // portable scalar code
-
-// Code of row r, column j of a block's group (the layout above).
-template <int BITS>
-inline int32_t code(const uint8_t* q, int r, int j) {
-  const int p = j / 2, lane = 2 * r + j % 2;
-  if constexpr (BITS == 8) {
-    return static_cast<int8_t>(q[32 * (p / 2) + 2 * lane + p % 2]);
-  } else {
-    const int s = p % 4;
-    return (q[32 * (p / 4) + 2 * lane + s / 2] >> (4 * (s % 2))) & 0x0F;
-  }
-}
 
 template <int BITS, int MT, bool FLOAT>
 void block_tile(const Rows& a, const Packed& w, int64_t N, int64_t n0, int valid, float* y) {
@@ -321,6 +321,41 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor
   return y;
 }
 
+// The weight in fp32, [N, K] (prefill-sized calls run F.linear on it): w = q * scale + offset.
+at::Tensor dequantize(const at::Tensor& codes, const at::Tensor& scale, const std::optional<at::Tensor>& offset,
+                      int64_t out_features, int64_t bits) {
+  TORCH_CHECK(bits == 8 || bits == 4, "bits must be 8 or 4, got ", bits);
+  const int64_t nblocks = codes.size(0), groups = codes.size(1), N = out_features, K = groups * GROUP;
+  TORCH_CHECK(codes.is_contiguous() && codes.element_size() == 1 && codes.size(2) == (bits == 8 ? 256 : 128) &&
+              nblocks == (N + ROWS - 1) / ROWS, "codes must be contiguous packed bytes [ceil(N/8), K/32, 32*bits]");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.sizes() == at::IntArrayRef({nblocks, groups, ROWS}),
+              "scale must be float32 [ceil(N/8), K/32, 8]");
+  const float* off = offset.has_value() ? offset->data_ptr<float>() : nullptr;
+  at::Tensor w = at::empty({N, K}, scale.options());
+  const uint8_t* q = static_cast<const uint8_t*>(codes.data_ptr());
+  const float* sc = scale.data_ptr<float>();
+  float* wp = w.data_ptr<float>();
+  const int64_t bb = bits == 8 ? block_bytes<8>() : block_bytes<4>();
+  at::parallel_for(0, nblocks, 16, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      for (int r = 0; r < ROWS && b * ROWS + r < N; ++r) {
+        float* row = wp + (b * ROWS + r) * K;
+        for (int64_t g = 0; g < groups; ++g) {
+          const uint8_t* qg = q + (b * groups + g) * bb;
+          const int64_t i = (b * groups + g) * ROWS + r;
+          const float o = off == nullptr ? 0.f : off[i];  // (unused when null)
+          for (int j = 0; j < GROUP; ++j) {
+            // rounded product, then the sum (volatile: never fused into an FMA), as QuantizedWeight.dequantize
+            volatile float v = static_cast<float>(bits == 8 ? code<8>(qg, r, j) : code<4>(qg, r, j)) * sc[i];
+            row[g * GROUP + j] = off == nullptr ? v : v + o;
+          }
+        }
+      }
+    }
+  });
+  return w;
+}
+
 // "avx2" or "scalar": which code this build holds.
 std::string isa() {
 #ifdef DEEPINFER_AVX2
@@ -335,6 +370,8 @@ std::string isa() {
 TORCH_LIBRARY(deepinfer_quant, m) {
   m.def("linear(Tensor x, Tensor codes, Tensor scale, Tensor? offset, Tensor? bias, int out_features, int bits, "
         "int act_bits) -> Tensor");
+  m.def("dequantize(Tensor codes, Tensor scale, Tensor? offset, int out_features, int bits) -> Tensor");
   m.def("isa() -> str", &isa);
   m.impl("linear", c10::DispatchKey::CPU, TORCH_FN(linear));
+  m.impl("dequantize", c10::DispatchKey::CPU, TORCH_FN(dequantize));
 }
