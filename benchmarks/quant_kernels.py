@@ -8,9 +8,11 @@ columns (its variants: int16 activations = ``native``, ``native-int8``, ``native
 the kernel at every M (the layer itself switches to ``dequant`` above ``NATIVE_MAX_ROWS`` rows).
 
 ``--decode``: batch-1 decode tok/s of SmolLM2 (the GGUF; int8 and int4) with each native variant,
-engines run alternately round by round in one process.
+engines run alternately round by round in one process. ``--profile``: where a batch-1 decode step
+of the GGUF with int4 weights and the native kernel goes, op by op (torch profiler, self CPU time).
+``--bandwidth``: the native kernel's time per call and the weight bytes it reads per second.
 
-    python benchmarks/quant_kernels.py [--threads 1] [--rounds 5] [--quick] [--decode]
+    python benchmarks/quant_kernels.py [--threads 1] [--rounds 5] [--quick] [--decode | --profile | --bandwidth]
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from deepinfer.hardware import lscpu_model
 from deepinfer.quant.kernels import NATIVE_ACT_BITS, QuantPlan
 from deepinfer.quant.linear import QuantizedLinear, quantize_weight
 from deepinfer.quant.native import native_kernel, native_linear
+from deepinfer.quant.packed import pack_weight
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]  # qkv, o, gate|up, down, head
 
@@ -44,10 +47,9 @@ def candidates(w: torch.Tensor) -> dict:
     out = {}
     if native_kernel().loaded:
         for scheme in ("int8", "int4"):
-            q = quantize_weight(w, QuantPlan(scheme, "native"))
+            q = pack_weight(quantize_weight(w, QuantPlan(scheme, "native")))
             for variant, act_bits in NATIVE_ACT_BITS.items():
-                out[f"{variant} {scheme}"] = lambda x, q=q, a=act_bits: native_linear(
-                    x, q.codes, q.scale, q.offset, None, q.bits, a)
+                out[f"{variant} {scheme}"] = lambda x, q=q, a=act_bits: native_linear(x, q, None, a)
     out |= {"fbgemm int8 (lossy)": QuantizedLinear(quantize_weight(w, QuantPlan("int8", "fbgemm")), None,
                                                   "fbgemm", [w.shape[0]])}
     for scheme in ("int8", "int4"):
@@ -84,6 +86,44 @@ def decode(threads: int, rounds: int, tokens: int) -> None:
         print(f"| {name} | {rate:.1f} |")
 
 
+def profile(threads: int, tokens: int) -> None:
+    """Self CPU time per op over ``tokens`` batch-1 decode steps (GGUF, int4, native kernel)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    from deepinfer.llm import LLM
+    from deepinfer.sampling_params import SamplingParams
+
+    llm = LLM(None, quantization="int4", threads=threads, kv_cache_memory_gb=0.1, progress=False,
+              host_cache_gb=0, enable_disk_cache=False, enable_prefix_cache=False)
+    prompt = [[1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 28]]
+    llm.generate(prompt, SamplingParams(max_tokens=4, temperature=0))  # warm
+    params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
+    with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        llm.generate(prompt, params)
+        wall = time.perf_counter() - t0
+    events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+    total = sum(e.self_cpu_time_total for e in events)
+    print(f"{tokens} steps, {wall / tokens * 1e3:.1f} ms per step under the profiler\n| op | share | ms per step |")
+    for e in events[:12]:
+        print(f"| {e.key} | {e.self_cpu_time_total / total:.1%} | {e.self_cpu_time_total / 1e3 / tokens:.2f} |")
+
+
+def bandwidth(shapes: list[tuple[int, int]], rounds: int, reps: int) -> None:
+    """Native kernel (int16 activations) per call, and its weight bytes (codes, scales, offsets) / time."""
+    print("| weight | scheme | M | us per call | weight GB/s |\n|---|---|---|---:|---:|")
+    for n, k in shapes:
+        w = torch.randn(n, k) / k ** 0.5
+        for scheme in ("int8", "int4"):
+            q = pack_weight(quantize_weight(w, QuantPlan(scheme, "native")))
+            nbytes = sum(t.numel() * t.element_size() for t in (q.codes, q.scale, q.offset) if t is not None)
+            for m in (1, 4, 8, 32):
+                x = torch.randn(m, k)
+                best = min(per_call(lambda: native_linear(x, q, None, 16), reps) for _ in range(rounds))
+                print(f"| {n}x{k} | {scheme} | {m} | {best * 1e6:.0f} | {nbytes / best / 1e9:.1f} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=1)
@@ -91,7 +131,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--quick", action="store_true", help="one shape, one round (a smoke run)")
     ap.add_argument("--decode", action="store_true", help="batch-1 decode tok/s per native variant instead")
-    ap.add_argument("--tokens", type=int, default=64, help="--decode: tokens per round")
+    ap.add_argument("--profile", action="store_true", help="where a batch-1 int4 decode step goes, op by op")
+    ap.add_argument("--bandwidth", action="store_true", help="native kernel time per call and weight GB/s")
+    ap.add_argument("--tokens", type=int, default=64, help="--decode / --profile: tokens per round")
     args = ap.parse_args()
     shapes = SHAPES[:1] if args.quick else SHAPES
     if args.quick:
@@ -102,6 +144,13 @@ def main() -> None:
     if args.decode:
         print(f"CPU: {lscpu_model()}, {args.threads} thread(s), best of {args.rounds} alternating rounds")
         decode(args.threads, 1 if args.quick else args.rounds, 8 if args.quick else args.tokens)
+        return
+    if args.profile or args.bandwidth:
+        print(f"CPU: {lscpu_model()}, {args.threads} thread(s)")
+        if args.profile:
+            profile(args.threads, 8 if args.quick else args.tokens)
+        else:
+            bandwidth(shapes, args.rounds, args.reps)
         return
     print(f"CPU: {lscpu_model()}, torch {torch.__version__} ({torch.backends.cpu.get_cpu_capability()}), "
           f"{args.threads} thread(s); fp32 time / kernel time")

@@ -7,9 +7,10 @@ Candidates (``benchmarks/quant_kernels.py`` times them against fp32 ``F.linear``
   calls de-quantize once and run ``F.linear``). It rounds each block of 32 activations to int16
   with its own scale and takes exact integer dots with the int8 / int4 codes: faster than
   widening the codes to fp32, and as accurate at SmolLM2's argmax (README). Auto on CPU whenever
-  it builds, except where ``tinygemm`` is auto. Its variants, opt-in:
-- ``native-int8``: activations rounded to int8 per block of 32 (GGUF's Q8 activations), the
-  fastest, but below the 99% argmax bar on SmolLM2 (README), so never auto.
+  it builds, except where ``tinygemm`` is auto. The weights are repacked for it at load, 8 output
+  rows per register (``quant/packed.py``). Its variants, opt-in:
+- ``native-int8``: activations rounded to int8 per block of 32 (GGUF's Q8 activations), then the
+  same integer loop; below the 99% argmax bar on SmolLM2 (README), so never auto.
 - ``native-float``: activations kept in fp32 (codes widened to fp32 in registers): its only
   error is the weights' own, so it is the exactness reference.
 - ``fbgemm``: ``torch.ops.quantized.linear_dynamic`` on int8 weights prepacked for the x86

@@ -17,11 +17,12 @@ from torch import nn
 from ..layers.linear import FusedLinear, SplitOutputs
 from .kernels import NATIVE_ACT_BITS, QuantPlan, fbgemm_engine
 from .native import native_linear
+from .packed import pack_weight
 from .weights import QuantizedWeight, GROUP, quantize_int4, quantize_int8
 
 # Rows up to which the native kernel runs a call (decode, spec verify, batched decode); above it
-# (prefill chunks) de-quantizing once and a float matmul is as fast or faster, as the kernel widens
-# the codes once per 4 rows (benchmarks/quant_kernels.py compares them at M = 1 .. 512).
+# (prefill chunks) de-quantizing once and a float matmul is as fast or faster
+# (benchmarks/quant_kernels.py compares them at M = 1 .. 512).
 NATIVE_MAX_ROWS = 128
 
 
@@ -53,12 +54,8 @@ class QuantizedLinear(SplitOutputs, nn.Module):
             zero = weight.offset + 8 * weight.scale
             self._scales_zeros = torch.stack((weight.scale, zero), -1).transpose(0, 1).contiguous()
             self._group = weight.group
-        elif kernel in NATIVE_ACT_BITS:
-            if weight.group != GROUP:
-                raise ValueError(f"the native kernel runs weights in groups of {GROUP} only")
-            offset = None if weight.offset is None else weight.offset.float().contiguous()
-            self.weight = QuantizedWeight(weight.codes.contiguous(), weight.scale.float().contiguous(), offset,
-                                          weight.bits, weight.group)
+        elif kernel in NATIVE_ACT_BITS:  # the kernel's layout only: the row-major codes are dropped
+            self.weight = pack_weight(weight)
         elif kernel == "dequant":
             self.weight = weight
         else:
@@ -77,10 +74,8 @@ class QuantizedLinear(SplitOutputs, nn.Module):
             y = y.to(x.dtype).view(*lead, self.out_features)
             return y if self.bias is None else y + self.bias.to(x.dtype)
         if self.kernel in NATIVE_ACT_BITS and x.numel() <= NATIVE_MAX_ROWS * k:
-            w = self.weight
             bias = None if self.bias is None else self.bias.float()
-            y = native_linear(x.reshape(-1, k).float().contiguous(), w.codes, w.scale, w.offset, bias, w.bits,
-                              NATIVE_ACT_BITS[self.kernel])
+            y = native_linear(x.reshape(-1, k).float().contiguous(), self.weight, bias, NATIVE_ACT_BITS[self.kernel])
             return y.to(x.dtype).view(*lead, self.out_features)
         bias = None if self.bias is None else self.bias.to(x.dtype)
         return F.linear(x, self.weight.dequantize(x.dtype), bias)

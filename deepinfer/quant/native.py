@@ -3,9 +3,9 @@ built at first use.
 
 No kernel that ships with torch keeps activations accurate and beats fp32 ``F.linear`` on AVX2
 CPUs, and batch-1 decode is bound by the bytes of weight it reads per token. So the kernel reads
-the codes (1 or 1/2 byte per value) and dots them in integers with the activations rounded once
-per call to int16 (or int8) codes per block of 32, or widens them to fp32 and keeps the
-activations as they are (``act_bits``).
+the codes (1 or 1/2 byte per value, repacked at load 8 output rows together: ``quant/packed.py``)
+and dots them in integers with the activations rounded once per call to int16 (or int8) codes
+per block of 32, or widens them to fp32 and keeps the activations as they are (``act_bits``).
 
 Built at first use by ``deepinfer/native_build.py`` (shared by all our C++ sources: cache key,
 build lock, AVX2 or scalar code). A failed build is not an error: ``native_kernel`` says why, and
@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from ..native_build import DISABLE_ENV, NativeExtension, build_extension
+from .packed import PackedWeight
 
 __all__ = ["DISABLE_ENV", "SOURCE", "native_kernel", "native_linear"]
 
@@ -33,10 +34,9 @@ def native_kernel() -> NativeExtension:
     return build_extension(STEM, SOURCE, lambda: torch.ops.deepinfer_quant.isa())
 
 
-def native_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
-                  bias: torch.Tensor | None, bits: int, act_bits: int) -> torch.Tensor:
-    """``x[M, K] @ W.T + bias`` in fp32, ``W`` as ``QuantizedWeight`` holds it (groups of 32).
+def native_linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None, act_bits: int) -> torch.Tensor:
+    """``x[M, K] @ W.T + bias`` in fp32, ``W`` packed by ``pack_weight``.
     ``act_bits`` 16 or 8: each block of 32 values of a row of ``x`` is rounded first to int16 /
     int8 codes (``round(x * L / max|x|)``, ``L`` = 32767 or 127, one scale per block), then dotted
     exactly with the weight codes; 32: the codes are widened to fp32 and ``x`` is kept as it is."""
-    return torch.ops.deepinfer_quant.linear(x, codes, scale, offset, bias, bits, act_bits)
+    return torch.ops.deepinfer_quant.linear(x, w.codes, w.scale, w.offset, bias, w.out_features, w.bits, act_bits)

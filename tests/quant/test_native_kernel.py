@@ -1,7 +1,7 @@
 """The native CPU kernel (``quant/native.py``): float activations vs de-quantize + ``F.linear``, int16
 and int8 activations vs a reference written in torch (the same block rounding of x, then exact
 integer dots), thread-count invariance, the layer's use of it, and the fallback when it is disabled or
-does not build."""
+does not build. The kernel's packed layout itself: tests/quant/test_packed_weight.py."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from deepinfer.quant import native
 from deepinfer.quant.kernels import NATIVE_ACT_BITS, QuantPlan, plan_quantization
 from deepinfer.quant.linear import NATIVE_MAX_ROWS, QuantizedLinear, quantize_model
 from deepinfer.quant.native import native_kernel, native_linear
+from deepinfer.quant.packed import pack_weight
 from deepinfer.quant.weights import QuantizedWeight, quantize_int4, quantize_int8
 from native_helpers import loaded
 
@@ -47,7 +48,7 @@ def test_matches_dequantized_reference(kernel, threads, fmt, n, k, m, nthreads):
     w = FORMATS[fmt](torch.randn(n, k) / k ** 0.5)
     x, bias = torch.randn(m, k), torch.randn(n)
     ref = F.linear(x.double(), w.dequantize(torch.float32).double(), bias.double())
-    y = native_linear(x, w.codes, w.scale, w.offset, bias, w.bits, act_bits=32)
+    y = native_linear(x, pack_weight(w), bias, act_bits=32)
     assert y.dtype == torch.float32 and y.shape == (m, n)
     assert (y.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
 
@@ -87,7 +88,7 @@ def test_integer_activations_match_torch_reference(kernel, threads, fmt, n, k, m
     w = FORMATS[fmt](torch.randn(n, k) / k ** 0.5)
     x, bias = torch.randn(m, k) * torch.rand(k) * 4, torch.randn(n)  # channels of unequal size
     x[0, :32] = 0  # a block of zeros: scale 0, codes 0
-    y = native_linear(x, w.codes, w.scale, w.offset, bias, w.bits, act_bits)
+    y = native_linear(x, pack_weight(w), bias, act_bits)
     ref = reference(x, w, bias, act_bits)
     assert y.dtype == torch.float32 and y.shape == (m, n)
     assert (y.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
@@ -96,12 +97,12 @@ def test_integer_activations_match_torch_reference(kernel, threads, fmt, n, k, m
 @pytest.mark.parametrize("quantize", [quantize_int8, quantize_int4])
 @pytest.mark.parametrize("act_bits", [16, 8])
 def test_integer_activations_extreme_codes_do_not_saturate(kernel, quantize, act_bits):
-    """int8 code -128 against activation codes of +-127 (+-32767) in every position: for int8, the
-    largest pair sums maddubs forms (2 * 128 * 127), which must not saturate int16."""
+    """int8 code -128 against activation codes of +-127 (+-32767) in every position: the largest
+    pair sums _mm256_madd_epi16 forms (2 * 128 * 32767) and group sums, which must not overflow int32."""
     k = 64
     w = quantize(torch.cat([-torch.ones(1, k), torch.ones(1, k) * 0.5, torch.linspace(-1, 1, k)[None]]))
     x = torch.cat([-torch.ones(1, k), torch.ones(1, k), torch.linspace(-3, 3, k)[None]])
-    y = native_linear(x, w.codes, w.scale, w.offset, None, w.bits, act_bits)
+    y = native_linear(x, pack_weight(w), None, act_bits)
     assert (y.double() - reference(x, w, None, act_bits)).abs().max() <= 1e-5 * k
 
 
@@ -111,8 +112,9 @@ def test_integer_activations_error_is_the_rounding_of_x(kernel, threads, act_bit
     threads(1)
     w = quantize_int8(torch.randn(256, 576) / 24)
     x = torch.randn(4, 576)
-    exact = native_linear(x, w.codes, w.scale, w.offset, None, 8, act_bits=32)
-    y = native_linear(x, w.codes, w.scale, w.offset, None, 8, act_bits)
+    packed = pack_weight(w)
+    exact = native_linear(x, packed, None, act_bits=32)
+    y = native_linear(x, packed, None, act_bits)
     q, d = quantize_activations(x, act_bits)
     rounding = (x - (q * d[..., None]).view_as(x)).abs()  # at most d / 2 per value
     bound = rounding @ w.dequantize(torch.float32).abs().T
@@ -124,22 +126,24 @@ def test_integer_activations_error_is_the_rounding_of_x(kernel, threads, act_bit
 @pytest.mark.parametrize("act_bits", [32, 16, 8])
 def test_same_bits_on_any_thread_count(kernel, threads, fmt, act_bits):
     w = FORMATS[fmt](torch.randn(3000, 576) / 24)  # big enough to be split over threads
-    x = torch.randn(5, 576)
+    x, packed = torch.randn(5, 576), pack_weight(w)
     outs = []
     for n in (1, 2, 3):
         threads(n)
-        outs.append(native_linear(x, w.codes, w.scale, w.offset, None, w.bits, act_bits))
+        outs.append(native_linear(x, packed, None, act_bits))
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
 def test_rejects_bad_shapes(kernel):
-    w = quantize_int8(torch.randn(8, 64))
+    w = pack_weight(quantize_int8(torch.randn(8, 64)))
     with pytest.raises(RuntimeError, match="multiple of 32"):
-        native_linear(torch.randn(1, 48), w.codes[:, :48].contiguous(), w.scale, w.offset, None, 8, 16)
+        native_linear(torch.randn(1, 48), w, None, 16)
     with pytest.raises(RuntimeError, match="float32"):
-        native_linear(torch.randn(1, 64).double(), w.codes, w.scale, w.offset, None, 8, 16)
+        native_linear(torch.randn(1, 64).double(), w, None, 16)
     with pytest.raises(RuntimeError, match="act_bits"):
-        native_linear(torch.randn(1, 64), w.codes, w.scale, w.offset, None, 8, 4)
+        native_linear(torch.randn(1, 64), w, None, 4)
+    with pytest.raises(RuntimeError, match="packed bytes"):
+        native_linear(torch.randn(1, 96), w, None, 16)
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
@@ -154,8 +158,7 @@ def test_layer_runs_decode_rows_natively_and_prefill_through_float(kernel, threa
     w = layer.weight.dequantize(torch.float32)
     for rows in (1, NATIVE_MAX_ROWS):
         x = torch.randn(1, rows, 128)
-        expected = native_linear(x[0], layer.weight.codes, layer.weight.scale, layer.weight.offset,
-                                 linear.bias.data, layer.weight.bits, NATIVE_ACT_BITS[native_kernel_name])
+        expected = native_linear(x[0], layer.weight, linear.bias.data, NATIVE_ACT_BITS[native_kernel_name])
         assert torch.equal(layer(x)[0], expected)
     x = torch.randn(NATIVE_MAX_ROWS + 1, 128)  # prefill-sized: exactly the de-quantize path
     assert torch.equal(layer(x), F.linear(x, w, linear.bias.data))

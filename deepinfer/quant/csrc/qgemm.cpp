@@ -1,28 +1,31 @@
 // Weight-only quantized matmul for the CPU: y[M, N] = x[M, K] @ W[N, K]^T (+ bias), x and y fp32.
 //
-// W is stored in groups of 32 columns: w[n, k] = q[n, k] * scale[n, g] + offset[n, g], g = k / 32,
-// with int8 codes (one byte each) or 4-bit codes 0..15 packed 16 bytes per group, byte j holding
-// column j in its low nibble and column j + 16 in its high one (the layout of GGUF's blocks, so a
-// group unpacks into columns in order). Per output element:
+// W is held in groups of 32 columns: w[n, k] = q[n, k] * scale[n, g] + offset[n, g], g = k / 32,
+// with int8 codes or 4-bit codes 0..15, repacked once at load (quant/native.py's pack_weight) so
+// that one 256-bit register holds 8 output rows at once:
+// - the rows are taken 8 at a time (a "block"; N padded with zero rows to a multiple of 8);
+// - per block and group, the 8 x 32 codes are laid out as 16 column pairs p (columns 2p, 2p + 1),
+//   each pair a vector of 16 int16 lanes [row 0 col 2p, row 0 col 2p+1, row 1 col 2p, ...], so one
+//   _mm256_madd_epi16 against the activation pair broadcast gives 8 rows' partial dots in 8 int32
+//   lanes, and a group's 16 pairs sum into the 8 rows' exact integer dots without any horizontal sum;
+// - int8: 8 chunks of 32 bytes, int16 lane l of chunk c holding pair 2c in its low byte and pair
+//   2c + 1 in its high one (two shifts widen them); int4: 4 chunks of 32 bytes, lane l of chunk c
+//   holding pairs 4c .. 4c + 3 in its 4 nibbles, low first (a shift and a mask each);
+// - scale and offset as [blocks, groups, 8] floats: one load per block and group.
 //
-//   y[m, n] = sum_g scale[n, g] * (q[n, g, :] . x[m, g, :]) + sum_g offset[n, g] * xsum[m, g]
+//   y[m, n] = bias[n] + sum_g (scale[n, g] * d[m, g] * (q[n, g, :] . xq[m, g, :]) + offset[n, g] * xsum[m, g])
 //
-// The activations of a group's dot are taken one of three ways (act_bits), chosen per call:
-// - 32, float: the codes are widened to fp32 and multiplied with x as it is; x keeps its
-//   precision, and the widening (two conversions per 8 values) bounds this path.
-// - 16 or 8, integer: each block of 32 values of a row of x is rounded once per call to int16 /
-//   int8 codes with one scale (d = max|x| / 32767 or / 127, symmetric), shared by every output
-//   row. A group's dot is then exact integer arithmetic: int16 codes against the weights widened
-//   to int16, 16 products per _mm256_madd_epi16; int8 codes (GGUF's Q8 activations) 32 products
-//   per _mm256_maddubs_epi16 (unsigned x signed bytes into int16 pairs, which cannot saturate for
-//   weight codes of at most 8 bits times 127) and one _mm256_madd_epi16; then one fp32 FMA with
-//   scale * d. The offset term uses the rounded activations too (xsum = d * sum of the codes), so
-//   the error is that of rounding x against the whole weight w, not against w - offset.
-// The weights are read at 1 or 1/2 byte per value, which is what batch-1 decode is bound by. Each
-// output row n is computed by one thread in one fixed order, so the result does not depend on the
-// thread count. Rows of x are taken MT at a time so a group's codes are unpacked once per MT rows.
-// Built by deepinfer/quant/native.py with AVX2+FMA where torch runs AVX2, else as portable scalar
-// code (the same integer arithmetic, so the same results up to fp32 summation order).
+// summed over g in order, one fp32 FMA for each term. The activations are taken one of two ways:
+// - act_bits 16 or 8, integer: each block of 32 values of a row of x is rounded once per call to
+//   codes xq = round(x * L / max|x|) (L = 32767 or 127) with the block's scale d = max|x| / L;
+//   the dots are exact int32 (|q| <= 128, 32 products); xsum = d * the sum of the block's codes.
+// - act_bits 32, float: the codes are widened to fp32 and dotted with x as it is (d = 1 and
+//   xsum = the block's sum); its only error is the weights' own.
+// Each output element is computed by one thread in one fixed order, whatever the thread count or
+// the number of rows M (rows of x are taken MT at a time over a block that stays in L1, so the
+// weights are read from memory once per call). Built by deepinfer/native_build.py with AVX2+FMA
+// where torch runs AVX2, else as portable scalar code (the same integer dots and the same order
+// of the per-group FMAs; the float path's in-group sums may round differently).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -30,7 +33,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <limits>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -42,327 +45,236 @@
 namespace {
 
 constexpr int64_t GROUP = 32;
-constexpr int MAX_MT = 8;  // activation rows per pass over a weight row (8 measured faster than 4)
+constexpr int ROWS = 8;    // output rows per block: one fp32 register
+constexpr int MAX_MT = 4;  // activation rows per pass over a block
 
 template <int BITS>
-constexpr int64_t group_bytes() { return BITS == 8 ? GROUP : GROUP / 2; }
+constexpr int64_t block_bytes() { return ROWS * GROUP * BITS / 8; }  // per block and group
 
-// The activations of one call: rows of x (stride K); for the integer paths their codes q8 or
-// q16 [m, k] and block scales d[m, g]; xsum[m, g] is the offset's factor (null: symmetric weights).
+// The activations of one call, rows of stride K: x itself, or its int16 codes q and block
+// scales d [m, g]; xsum [m, g] is the offset's factor (null: symmetric weights).
 struct Rows {
   const float* x;
-  const int8_t* q8;
-  const int16_t* q16;
+  const int16_t* q;
   const float* d;
   const float* xsum;
   int64_t K;
   Rows at(int64_t m) const {
     const int64_t groups = K / GROUP;
-    return {x + m * K, q8 == nullptr ? nullptr : q8 + m * K, q16 == nullptr ? nullptr : q16 + m * K,
-            d == nullptr ? nullptr : d + m * groups, xsum == nullptr ? nullptr : xsum + m * groups, K};
+    return {x + m * K, q == nullptr ? nullptr : q + m * K, d == nullptr ? nullptr : d + m * groups,
+            xsum == nullptr ? nullptr : xsum + m * groups, K};
   }
 };
 
-// One block of 32 activations -> codes round(x * L / max|x|) (half to even), L the largest T,
-// and the block's scale max|x| / L; returns the sum of the codes.
-template <typename T>
-int32_t quantize_block(const float* x, T* q, float* d) {
-  constexpr float L = std::numeric_limits<T>::max();
+// The weights as pack_weight lays them out (codes, scale, offset from the first block on).
+struct Packed {
+  const uint8_t* codes;
+  const float* scale;
+  const float* offset;  // null: symmetric
+  const float* bias;    // null: none
+  int64_t groups;
+};
+
+// One block of 32 activations -> codes round(x * L / max|x|) (half to even) and the block's scale
+// max|x| / L; returns the sum of the codes.
+int32_t quantize_block(const float* x, int16_t* q, float* d, float L) {
   float amax = 0.f;
   for (int64_t j = 0; j < GROUP; ++j) amax = std::max(amax, std::fabs(x[j]));
   const float inv = amax > 0.f ? L / amax : 0.f;
   int32_t sum = 0;
   for (int64_t j = 0; j < GROUP; ++j) {
-    q[j] = static_cast<T>(std::nearbyint(x[j] * inv));
+    q[j] = static_cast<int16_t>(std::nearbyint(x[j] * inv));
     sum += q[j];
   }
   *d = amax / L;
   return sum;
 }
 
+// Code of row r, column j of a block's group (the layout above).
+template <int BITS>
+inline int32_t code(const uint8_t* q, int r, int j) {
+  const int p = j / 2, lane = 2 * r + j % 2;
+  if constexpr (BITS == 8) {
+    return static_cast<int8_t>(q[32 * (p / 2) + 2 * lane + p % 2]);
+  } else {
+    const int s = p % 4;
+    return (q[32 * (p / 4) + 2 * lane + s / 2] >> (4 * (s % 2))) & 0x0F;
+  }
+}
+
 #ifdef DEEPINFER_AVX2
 
-inline __m256 widen8(__m128i bytes8, bool is_signed) {
-  __m256i v = is_signed ? _mm256_cvtepi8_epi32(bytes8) : _mm256_cvtepu8_epi32(bytes8);
-  return _mm256_cvtepi32_ps(v);
-}
-
-// One group's 32 codes as 4 x 8 floats, columns in order.
-template <int BITS>
-inline void widen_group(const uint8_t* q, __m256 w[4]) {
+// Pair p of a block's group as 16 int16 lanes (see the layout above); chunk = the 32 bytes holding it.
+template <int BITS, int S>
+inline __m256i pair_codes(__m256i chunk) {
   if constexpr (BITS == 8) {
-    for (int i = 0; i < 4; ++i)
-      w[i] = widen8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * i)), true);
+    return S == 0 ? _mm256_srai_epi16(_mm256_slli_epi16(chunk, 8), 8) : _mm256_srai_epi16(chunk, 8);
   } else {
-    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    const __m128i lo = _mm_and_si128(bytes, mask);                     // columns 0..15
-    const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);  // columns 16..31
-    w[0] = widen8(lo, false);
-    w[1] = widen8(_mm_srli_si128(lo, 8), false);
-    w[2] = widen8(hi, false);
-    w[3] = widen8(_mm_srli_si128(hi, 8), false);
+    return _mm256_and_si256(_mm256_srli_epi16(chunk, 4 * S), _mm256_set1_epi16(0x0F));
   }
 }
 
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
+inline __m256i load(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+
+inline __m256i pair_of(const int16_t* x) {  // x[0], x[1] in every 32-bit lane
+  int32_t v;
+  std::memcpy(&v, x, sizeof v);
+  return _mm256_set1_epi32(v);
 }
 
-// sum_g scale[g] * (q[g] . x[m, g]) for MT rows of x, float activations. Two accumulators per row
-// (even and odd groups) so consecutive groups do not wait on one FMA chain.
+// acc[m] += per-group terms of one block for MT rows of integer activations.
 template <int BITS, int MT>
-void dot_rows_float(const Rows& a, const uint8_t* q, const float* scale, float* out) {
-  __m256 acc[2][MT];
-  for (int m = 0; m < MT; ++m) acc[0][m] = acc[1][m] = _mm256_setzero_ps();
-  const int64_t groups = a.K / GROUP;
-  auto step = [&](int64_t g, int p) {
-    __m256 w[4];
-    widen_group<BITS>(q + g * group_bytes<BITS>(), w);
-    const __m256 s = _mm256_broadcast_ss(scale + g);
-    for (int m = 0; m < MT; ++m) {
-      const float* xg = a.x + m * a.K + g * GROUP;
-      __m256 d = _mm256_mul_ps(w[0], _mm256_loadu_ps(xg));
-      d = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xg + 8), d);
-      d = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xg + 16), d);
-      d = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xg + 24), d);
-      acc[p][m] = _mm256_fmadd_ps(d, s, acc[p][m]);
+inline void group_int(const Rows& a, const Packed& w, const uint8_t* q, int64_t g, __m256 acc[MT]) {
+  constexpr int PER_CHUNK = BITS == 8 ? 2 : 4;
+  __m256i dot[MT];
+  for (int m = 0; m < MT; ++m) dot[m] = _mm256_setzero_si256();
+  for (int c = 0; c < 16 / PER_CHUNK; ++c) {
+    const __m256i chunk = load(q + 32 * c);
+    auto step = [&](__m256i wp, int p) {
+      for (int m = 0; m < MT; ++m)
+        dot[m] = _mm256_add_epi32(dot[m], _mm256_madd_epi16(wp, pair_of(a.q + m * a.K + g * GROUP + 2 * p)));
+    };
+    step(pair_codes<BITS, 0>(chunk), PER_CHUNK * c);
+    step(pair_codes<BITS, 1>(chunk), PER_CHUNK * c + 1);
+    if constexpr (PER_CHUNK == 4) {
+      step(pair_codes<BITS, 2>(chunk), PER_CHUNK * c + 2);
+      step(pair_codes<BITS, 3>(chunk), PER_CHUNK * c + 3);
     }
-  };
-  int64_t g = 0;
-  for (; g + 1 < groups; g += 2) {
-    step(g, 0);
-    step(g + 1, 1);
   }
-  if (g < groups) step(g, 0);
-  for (int m = 0; m < MT; ++m) out[m] = hsum(_mm256_add_ps(acc[0][m], acc[1][m]));
+  const __m256 s = _mm256_loadu_ps(w.scale + g * ROWS);
+  for (int m = 0; m < MT; ++m) {
+    const int64_t mg = m * w.groups + g;
+    acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[m]), _mm256_mul_ps(s, _mm256_set1_ps(a.d[mg])), acc[m]);
+    if (w.offset != nullptr)
+      acc[m] = _mm256_fmadd_ps(_mm256_loadu_ps(w.offset + g * ROWS), _mm256_set1_ps(a.xsum[mg]), acc[m]);
+  }
 }
 
-// The same with int8 activations: per group and row, the exact integer dot as 8 int32 partial
-// sums, then one FMA with scale[g] * d[m, g].
+// The same with float activations: the pair's codes widened to fp32 (rows 0-3 and 4-7, each lane
+// pair one row's two columns) times the activation pair; the lane pairs are added at the group's end.
 template <int BITS, int MT>
-void dot_rows_int8(const Rows& a, const uint8_t* q, const float* scale, float* out) {
-  __m256 acc[2][MT];
-  for (int m = 0; m < MT; ++m) acc[0][m] = acc[1][m] = _mm256_setzero_ps();
-  const int64_t groups = a.K / GROUP;
-  const __m256i ones = _mm256_set1_epi16(1);
-  auto step = [&](int64_t g, int p) {
-    const uint8_t* qg = q + g * group_bytes<BITS>();
-    __m256i w;  // unsigned operand of maddubs
-    __m256i sign;  // int8 weights: their signs, moved onto the activations
-    if constexpr (BITS == 8) {
-      sign = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qg));
-      w = _mm256_sign_epi8(sign, sign);  // |q|; -128 stays 0x80, i.e. 128 unsigned
-    } else {
-      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qg));
-      w = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(bytes, 4), bytes), _mm256_set1_epi8(0x0F));
+inline void group_float(const Rows& a, const Packed& w, const uint8_t* q, int64_t g, __m256 acc[MT]) {
+  constexpr int PER_CHUNK = BITS == 8 ? 2 : 4;
+  __m256 lo[MT], hi[MT];
+  for (int m = 0; m < MT; ++m) lo[m] = hi[m] = _mm256_setzero_ps();
+  for (int c = 0; c < 16 / PER_CHUNK; ++c) {
+    const __m256i chunk = load(q + 32 * c);
+    auto step = [&](__m256i wp, int p) {
+      const __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(wp)));
+      const __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm256_extracti128_si256(wp, 1)));
+      for (int m = 0; m < MT; ++m) {
+        const double* xp = reinterpret_cast<const double*>(a.x + m * a.K + g * GROUP + 2 * p);
+        const __m256 xb = _mm256_castpd_ps(_mm256_broadcast_sd(xp));
+        lo[m] = _mm256_fmadd_ps(w0, xb, lo[m]);
+        hi[m] = _mm256_fmadd_ps(w1, xb, hi[m]);
+      }
+    };
+    step(pair_codes<BITS, 0>(chunk), PER_CHUNK * c);
+    step(pair_codes<BITS, 1>(chunk), PER_CHUNK * c + 1);
+    if constexpr (PER_CHUNK == 4) {
+      step(pair_codes<BITS, 2>(chunk), PER_CHUNK * c + 2);
+      step(pair_codes<BITS, 3>(chunk), PER_CHUNK * c + 3);
     }
-    const __m256 s = _mm256_broadcast_ss(scale + g);
-    for (int m = 0; m < MT; ++m) {
-      __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q8 + m * a.K + g * GROUP));
-      if constexpr (BITS == 8) xq = _mm256_sign_epi8(xq, sign);
-      const __m256i dot = _mm256_madd_epi16(_mm256_maddubs_epi16(w, xq), ones);
-      const __m256 sd = _mm256_mul_ps(s, _mm256_broadcast_ss(a.d + m * (a.K / GROUP) + g));
-      acc[p][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), sd, acc[p][m]);
-    }
-  };
-  int64_t g = 0;
-  for (; g + 1 < groups; g += 2) {
-    step(g, 0);
-    step(g + 1, 1);
   }
-  if (g < groups) step(g, 0);
-  for (int m = 0; m < MT; ++m) out[m] = hsum(_mm256_add_ps(acc[0][m], acc[1][m]));
+  const __m256 s = _mm256_loadu_ps(w.scale + g * ROWS);
+  for (int m = 0; m < MT; ++m) {
+    // hadd: [r0 r1 r4 r5 | r2 r3 r6 r7] -> rows in order
+    const __m256 h = _mm256_hadd_ps(lo[m], hi[m]);
+    const __m256 dot = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(h), 0xD8));
+    acc[m] = _mm256_fmadd_ps(dot, s, acc[m]);
+    if (w.offset != nullptr)
+      acc[m] = _mm256_fmadd_ps(_mm256_loadu_ps(w.offset + g * ROWS), _mm256_set1_ps(a.xsum[m * w.groups + g]),
+                               acc[m]);
+  }
 }
 
-// int16 activations: codes widened to int16 once per MT rows, 16 products per _mm256_madd_epi16.
-template <int BITS, int MT>
-void dot_rows_int16(const Rows& a, const uint8_t* q, const float* scale, float* out) {
-  __m256 acc[2][MT];
-  for (int m = 0; m < MT; ++m) acc[0][m] = acc[1][m] = _mm256_setzero_ps();
-  const int64_t groups = a.K / GROUP;
-  auto step = [&](int64_t g, int p) {
-    const uint8_t* qg = q + g * group_bytes<BITS>();
-    __m256i w0, w1;  // columns 0..15, 16..31
-    if constexpr (BITS == 8) {
-      w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qg)));
-      w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qg + 16)));
-    } else {
-      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qg));
-      const __m128i mask = _mm_set1_epi8(0x0F);
-      w0 = _mm256_cvtepu8_epi16(_mm_and_si128(bytes, mask));
-      w1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(bytes, 4), mask));
-    }
-    const __m256 s = _mm256_broadcast_ss(scale + g);
-    for (int m = 0; m < MT; ++m) {
-      const int16_t* xg = a.q16 + m * a.K + g * GROUP;
-      const __m256i d0 = _mm256_madd_epi16(w0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xg)));
-      const __m256i d1 = _mm256_madd_epi16(w1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xg + 16)));
-      const __m256 sd = _mm256_mul_ps(s, _mm256_broadcast_ss(a.d + m * groups + g));
-      acc[p][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(d0, d1)), sd, acc[p][m]);
-    }
-  };
-  int64_t g = 0;
-  for (; g + 1 < groups; g += 2) {
-    step(g, 0);
-    step(g + 1, 1);
+// y rows m0 .. m0 + MT of one block of 8 output rows (n0 .. n0 + valid).
+template <int BITS, int MT, bool FLOAT>
+void block_tile(const Rows& a, const Packed& w, int64_t N, int64_t n0, int valid, float* y) {
+  __m256 acc[MT];
+  for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < w.groups; ++g) {
+    const uint8_t* q = w.codes + g * block_bytes<BITS>();
+    if constexpr (FLOAT) group_float<BITS, MT>(a, w, q, g, acc);
+    else group_int<BITS, MT>(a, w, q, g, acc);
   }
-  if (g < groups) step(g, 0);
-  for (int m = 0; m < MT; ++m) out[m] = hsum(_mm256_add_ps(acc[0][m], acc[1][m]));
-}
-
-// a . b over n floats.
-inline float dot(const float* a, const float* b, int64_t n) {
-  __m256 acc = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-  float s = hsum(acc);
-  for (; i < n; ++i) s += a[i] * b[i];
-  return s;
+  for (int m = 0; m < MT; ++m) {
+    alignas(32) float out[ROWS];
+    _mm256_store_ps(out, acc[m]);
+    for (int r = 0; r < valid; ++r) y[m * N + n0 + r] = w.bias == nullptr ? out[r] : out[r] + w.bias[n0 + r];
+  }
 }
 
 #else  // portable scalar code
 
-template <int BITS>
-inline int32_t code(const uint8_t* q, int64_t j) {
-  if constexpr (BITS == 8) {
-    return static_cast<int8_t>(q[j]);
-  } else {
-    return j < 16 ? (q[j] & 0x0F) : (q[j - 16] >> 4);
-  }
-}
-
-template <int BITS, int MT>
-void dot_rows_float(const Rows& a, const uint8_t* q, const float* scale, float* out) {
-  for (int m = 0; m < MT; ++m) out[m] = 0.f;
-  for (int64_t g = 0; g < a.K / GROUP; ++g) {
-    const uint8_t* qg = q + g * group_bytes<BITS>();
-    for (int m = 0; m < MT; ++m) {
-      const float* xg = a.x + m * a.K + g * GROUP;
-      float d = 0.f;
-      for (int64_t j = 0; j < GROUP; ++j) d += static_cast<float>(code<BITS>(qg, j)) * xg[j];
-      out[m] += scale[g] * d;
+template <int BITS, int MT, bool FLOAT>
+void block_tile(const Rows& a, const Packed& w, int64_t N, int64_t n0, int valid, float* y) {
+  for (int m = 0; m < MT; ++m) {
+    for (int r = 0; r < valid; ++r) {
+      float acc = 0.f;
+      for (int64_t g = 0; g < w.groups; ++g) {
+        const uint8_t* q = w.codes + g * block_bytes<BITS>();
+        const int64_t mg = m * w.groups + g;
+        const float s = w.scale[g * ROWS + r];
+        if constexpr (FLOAT) {
+          float d = 0.f;
+          for (int j = 0; j < GROUP; ++j) d += static_cast<float>(code<BITS>(q, r, j)) * a.x[m * a.K + g * GROUP + j];
+          acc = std::fma(d, s, acc);
+        } else {
+          int32_t d = 0;
+          for (int j = 0; j < GROUP; ++j) d += code<BITS>(q, r, j) * a.q[m * a.K + g * GROUP + j];
+          acc = std::fma(static_cast<float>(d), s * a.d[mg], acc);
+        }
+        if (w.offset != nullptr) acc = std::fma(w.offset[g * ROWS + r], a.xsum[mg], acc);
+      }
+      y[m * N + n0 + r] = w.bias == nullptr ? acc : acc + w.bias[n0 + r];
     }
   }
-}
-
-template <int BITS, int MT, typename T>
-void dot_rows_int(const T* xq, const Rows& a, const uint8_t* q, const float* scale, float* out) {
-  const int64_t groups = a.K / GROUP;
-  for (int m = 0; m < MT; ++m) out[m] = 0.f;
-  for (int64_t g = 0; g < groups; ++g) {
-    const uint8_t* qg = q + g * group_bytes<BITS>();
-    for (int m = 0; m < MT; ++m) {
-      const T* xg = xq + m * a.K + g * GROUP;
-      int32_t d = 0;
-      for (int64_t j = 0; j < GROUP; ++j) d += code<BITS>(qg, j) * xg[j];
-      out[m] = std::fma(static_cast<float>(d), scale[g] * a.d[m * groups + g], out[m]);
-    }
-  }
-}
-
-template <int BITS, int MT>
-void dot_rows_int8(const Rows& a, const uint8_t* q, const float* scale, float* out) {
-  dot_rows_int<BITS, MT>(a.q8, a, q, scale, out);
-}
-
-template <int BITS, int MT>
-void dot_rows_int16(const Rows& a, const uint8_t* q, const float* scale, float* out) {
-  dot_rows_int<BITS, MT>(a.q16, a, q, scale, out);
-}
-
-inline float dot(const float* a, const float* b, int64_t n) {
-  float s = 0.f;
-  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
-  return s;
 }
 
 #endif
 
-template <int BITS, int MT, int ACT_BITS>
-void tile(const Rows& a, int64_t N, int64_t n0, int64_t n1, const uint8_t* codes, const float* scale,
-          const float* offset, const float* bias, float* y) {
-  const int64_t groups = a.K / GROUP;
-  const int64_t row_bytes = groups * group_bytes<BITS>();
-  for (int64_t n = n0; n < n1; ++n) {
-    float out[MT];
-    if constexpr (ACT_BITS == 16)
-      dot_rows_int16<BITS, MT>(a, codes + n * row_bytes, scale + n * groups, out);
-    else if constexpr (ACT_BITS == 8)
-      dot_rows_int8<BITS, MT>(a, codes + n * row_bytes, scale + n * groups, out);
-    else
-      dot_rows_float<BITS, MT>(a, codes + n * row_bytes, scale + n * groups, out);
-    for (int m = 0; m < MT; ++m) {
-      float v = out[m];
-      if (offset != nullptr) v += dot(offset + n * groups, a.xsum + m * groups, groups);
-      if (bias != nullptr) v += bias[n];
-      y[m * N + n] = v;
+// Blocks b0 .. b1 for every row of x: each block's codes are read from memory once, then reused
+// from cache for the next MT rows.
+template <int BITS, bool FLOAT>
+void blocks(const Rows& a, const Packed& w, int64_t M, int64_t N, int64_t b0, int64_t b1, float* y) {
+  for (int64_t b = b0; b < b1; ++b) {
+    const Packed wb{w.codes + b * w.groups * block_bytes<BITS>(), w.scale + b * w.groups * ROWS,
+                    w.offset == nullptr ? nullptr : w.offset + b * w.groups * ROWS, w.bias, w.groups};
+    const int64_t n0 = b * ROWS;
+    const int valid = static_cast<int>(std::min<int64_t>(ROWS, N - n0));
+    for (int64_t m0 = 0; m0 < M; m0 += MAX_MT) {
+      const Rows am = a.at(m0);
+      float* ym = y + m0 * N;
+      switch (std::min<int64_t>(MAX_MT, M - m0)) {
+        case 1: block_tile<BITS, 1, FLOAT>(am, wb, N, n0, valid, ym); break;
+        case 2: block_tile<BITS, 2, FLOAT>(am, wb, N, n0, valid, ym); break;
+        case 3: block_tile<BITS, 3, FLOAT>(am, wb, N, n0, valid, ym); break;
+        default: block_tile<BITS, 4, FLOAT>(am, wb, N, n0, valid, ym); break;
+      }
     }
-  }
-}
-
-template <int BITS, int ACT_BITS>
-void rows(const Rows& a, int64_t M, int64_t N, int64_t n0, int64_t n1, const uint8_t* codes,
-          const float* scale, const float* offset, const float* bias, float* y) {
-  for (int64_t m0 = 0; m0 < M; m0 += MAX_MT) {
-    const Rows am = a.at(m0);
-    float* ym = y + m0 * N;
-    switch (std::min<int64_t>(MAX_MT, M - m0)) {
-      case 1: tile<BITS, 1, ACT_BITS>(am, N, n0, n1, codes, scale, offset, bias, ym); break;
-      case 2: tile<BITS, 2, ACT_BITS>(am, N, n0, n1, codes, scale, offset, bias, ym); break;
-      case 3: tile<BITS, 3, ACT_BITS>(am, N, n0, n1, codes, scale, offset, bias, ym); break;
-      case 4: tile<BITS, 4, ACT_BITS>(am, N, n0, n1, codes, scale, offset, bias, ym); break;
-      case 5: tile<BITS, 5, ACT_BITS>(am, N, n0, n1, codes, scale, offset, bias, ym); break;
-      case 6: tile<BITS, 6, ACT_BITS>(am, N, n0, n1, codes, scale, offset, bias, ym); break;
-      case 7: tile<BITS, 7, ACT_BITS>(am, N, n0, n1, codes, scale, offset, bias, ym); break;
-      default: tile<BITS, 8, ACT_BITS>(am, N, n0, n1, codes, scale, offset, bias, ym); break;
-    }
-  }
-}
-
-// Every block of x rounded to codes q (quantize_block); xsum (if not empty): d * the codes' sum.
-template <typename T>
-void quantize_blocks(const float* x, int64_t blocks, std::vector<T>& q, std::vector<float>& d,
-                     std::vector<float>& xsum) {
-  q.resize(blocks * GROUP);
-  d.resize(blocks);
-  at::parallel_for(0, blocks, 256, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      const int32_t sum = quantize_block(x + i * GROUP, q.data() + i * GROUP, &d[i]);
-      if (!xsum.empty()) xsum[i] = d[i] * static_cast<float>(sum);
-    }
-  });
-}
-
-// The offset's factor for float activations: each block's sum.
-void block_sums(const float* x, int64_t blocks, float* xsum) {
-  for (int64_t i = 0; i < blocks; ++i) {
-    float s = 0.f;
-    for (int64_t j = 0; j < GROUP; ++j) s += x[i * GROUP + j];
-    xsum[i] = s;
   }
 }
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                   const std::optional<at::Tensor>& offset, const std::optional<at::Tensor>& bias,
-                  int64_t bits, int64_t act_bits) {
+                  int64_t out_features, int64_t bits, int64_t act_bits) {
   TORCH_CHECK(bits == 8 || bits == 4, "bits must be 8 or 4, got ", bits);
   TORCH_CHECK(act_bits == 32 || act_bits == 16 || act_bits == 8, "act_bits must be 32, 16 or 8, got ", act_bits);
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(),
               "x must be a contiguous 2-D float32 CPU tensor");
-  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0), groups = K / GROUP;
+  const int64_t M = x.size(0), K = x.size(1), N = out_features, groups = K / GROUP;
+  const int64_t nblocks = (N + ROWS - 1) / ROWS;
   TORCH_CHECK(K % GROUP == 0, "in_features (", K, ") must be a multiple of ", GROUP);
-  TORCH_CHECK(codes.is_contiguous() && codes.element_size() == 1 && codes.dim() == 2 &&
-              codes.size(1) == (bits == 8 ? K : K / 2), "codes must be contiguous bytes [N, K*bits/8]");
+  TORCH_CHECK(codes.is_contiguous() && codes.element_size() == 1 &&
+              codes.sizes() == at::IntArrayRef({nblocks, groups, bits == 8 ? 256 : 128}),
+              "codes must be contiguous packed bytes [ceil(N/8), K/32, 32*bits]");
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() &&
-              scale.sizes() == at::IntArrayRef({N, groups}), "scale must be float32 [N, K/32]");
+              scale.sizes() == at::IntArrayRef({nblocks, groups, ROWS}), "scale must be float32 [ceil(N/8), K/32, 8]");
   const float* off = nullptr;
   if (offset.has_value()) {
     TORCH_CHECK(offset->scalar_type() == at::kFloat && offset->is_contiguous() &&
-                offset->sizes() == scale.sizes(), "offset must be float32 [N, K/32]");
+                offset->sizes() == scale.sizes(), "offset must be float32 [ceil(N/8), K/32, 8]");
     off = offset->data_ptr<float>();
   }
   const float* b = nullptr;
@@ -374,29 +286,74 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
   const float* xp = x.data_ptr<float>();
-  const int64_t blocks = M * groups;
-  std::vector<float> xsum(off != nullptr ? blocks : 0), xd;
-  std::vector<int8_t> xq8;
-  std::vector<int16_t> xq16;
-  if (act_bits == 16) quantize_blocks(xp, blocks, xq16, xd, xsum);
-  else if (act_bits == 8) quantize_blocks(xp, blocks, xq8, xd, xsum);
-  else if (off != nullptr) block_sums(xp, blocks, xsum.data());
+  const int64_t nblk = M * groups;
+  std::vector<float> xsum(off != nullptr ? nblk : 0), xd;
+  std::vector<int16_t> xq;
+  if (act_bits != 32) {
+    xq.resize(nblk * GROUP);
+    xd.resize(nblk);
+    const float L = act_bits == 16 ? 32767.f : 127.f;
+    at::parallel_for(0, nblk, 256, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) {
+        const int32_t sum = quantize_block(xp + i * GROUP, xq.data() + i * GROUP, &xd[i], L);
+        if (off != nullptr) xsum[i] = xd[i] * static_cast<float>(sum);
+      }
+    });
+  } else if (off != nullptr) {
+    for (int64_t i = 0; i < nblk; ++i) {
+      float s = 0.f;
+      for (int64_t j = 0; j < GROUP; ++j) s += xp[i * GROUP + j];
+      xsum[i] = s;
+    }
+  }
   auto data = [](auto& v) { return v.empty() ? nullptr : v.data(); };
-  const Rows a{xp, data(xq8), data(xq16), data(xd), data(xsum), K};
-  const uint8_t* q = static_cast<const uint8_t*>(codes.data_ptr());
-  const float* sc = scale.data_ptr<float>();
+  const Rows a{xp, data(xq), data(xd), data(xsum), K};
+  const Packed w{static_cast<const uint8_t*>(codes.data_ptr()), scale.data_ptr<float>(), off, b, groups};
   float* yp = y.data_ptr<float>();
   // at least ~64K multiply-adds per task: smaller layers are not worth waking a thread for
-  const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, M * K));
-  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-    if (bits == 8 && act_bits == 16) rows<8, 16>(a, M, N, n0, n1, q, sc, off, b, yp);
-    else if (bits == 8 && act_bits == 8) rows<8, 8>(a, M, N, n0, n1, q, sc, off, b, yp);
-    else if (bits == 8) rows<8, 32>(a, M, N, n0, n1, q, sc, off, b, yp);
-    else if (act_bits == 16) rows<4, 16>(a, M, N, n0, n1, q, sc, off, b, yp);
-    else if (act_bits == 8) rows<4, 8>(a, M, N, n0, n1, q, sc, off, b, yp);
-    else rows<4, 32>(a, M, N, n0, n1, q, sc, off, b, yp);
+  const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, M * K * ROWS));
+  at::parallel_for(0, nblocks, grain, [&](int64_t b0, int64_t b1) {
+    if (bits == 8 && act_bits == 32) blocks<8, true>(a, w, M, N, b0, b1, yp);
+    else if (bits == 8) blocks<8, false>(a, w, M, N, b0, b1, yp);
+    else if (act_bits == 32) blocks<4, true>(a, w, M, N, b0, b1, yp);
+    else blocks<4, false>(a, w, M, N, b0, b1, yp);
   });
   return y;
+}
+
+// The weight in fp32, [N, K] (prefill-sized calls run F.linear on it): w = q * scale + offset.
+at::Tensor dequantize(const at::Tensor& codes, const at::Tensor& scale, const std::optional<at::Tensor>& offset,
+                      int64_t out_features, int64_t bits) {
+  TORCH_CHECK(bits == 8 || bits == 4, "bits must be 8 or 4, got ", bits);
+  const int64_t nblocks = codes.size(0), groups = codes.size(1), N = out_features, K = groups * GROUP;
+  TORCH_CHECK(codes.is_contiguous() && codes.element_size() == 1 && codes.size(2) == (bits == 8 ? 256 : 128) &&
+              nblocks == (N + ROWS - 1) / ROWS, "codes must be contiguous packed bytes [ceil(N/8), K/32, 32*bits]");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.sizes() == at::IntArrayRef({nblocks, groups, ROWS}),
+              "scale must be float32 [ceil(N/8), K/32, 8]");
+  const float* off = offset.has_value() ? offset->data_ptr<float>() : nullptr;
+  at::Tensor w = at::empty({N, K}, scale.options());
+  const uint8_t* q = static_cast<const uint8_t*>(codes.data_ptr());
+  const float* sc = scale.data_ptr<float>();
+  float* wp = w.data_ptr<float>();
+  const int64_t bb = bits == 8 ? block_bytes<8>() : block_bytes<4>();
+  at::parallel_for(0, nblocks, 16, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      for (int r = 0; r < ROWS && b * ROWS + r < N; ++r) {
+        float* row = wp + (b * ROWS + r) * K;
+        for (int64_t g = 0; g < groups; ++g) {
+          const uint8_t* qg = q + (b * groups + g) * bb;
+          const int64_t i = (b * groups + g) * ROWS + r;
+          const float o = off == nullptr ? 0.f : off[i];  // (unused when null)
+          for (int j = 0; j < GROUP; ++j) {
+            // rounded product, then the sum (volatile: never fused into an FMA), as QuantizedWeight.dequantize
+            volatile float v = static_cast<float>(bits == 8 ? code<8>(qg, r, j) : code<4>(qg, r, j)) * sc[i];
+            row[g * GROUP + j] = off == nullptr ? v : v + o;
+          }
+        }
+      }
+    }
+  });
+  return w;
 }
 
 // "avx2" or "scalar": which code this build holds.
@@ -411,8 +368,10 @@ std::string isa() {
 }  // namespace
 
 TORCH_LIBRARY(deepinfer_quant, m) {
-  m.def("linear(Tensor x, Tensor codes, Tensor scale, Tensor? offset, Tensor? bias, int bits, "
+  m.def("linear(Tensor x, Tensor codes, Tensor scale, Tensor? offset, Tensor? bias, int out_features, int bits, "
         "int act_bits) -> Tensor");
+  m.def("dequantize(Tensor codes, Tensor scale, Tensor? offset, int out_features, int bits) -> Tensor");
   m.def("isa() -> str", &isa);
   m.impl("linear", c10::DispatchKey::CPU, TORCH_FN(linear));
+  m.impl("dequantize", c10::DispatchKey::CPU, TORCH_FN(dequantize));
 }
