@@ -16,7 +16,8 @@ PS = 16
 GQA_SHARED_LATENT = [KVSpec.gqa(2, 16), KVSpec.gqa(2, 16, share_with=0), KVSpec((("kv", (1, 48)),)),
                      KVSpec.gqa(1, 32, v_head_dim=16)]
 MLA = [KVSpec((("kv", (1, 96)),)) for _ in range(3)]
-CODECS = [("fp8", None), ("fp8", 16), ("fp8c", None), ("fp4", None), ("fp4", 32), ("mxfp4", None)]
+CODECS = [("fp8", None), ("fp8", 16), ("fp8", 4), ("fp8c", None), ("fp4", None), ("fp4", 32), ("fp4", 4),
+          ("mxfp4", None)]  # blocks of 4: the scalar code of an AVX2 build
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 pytestmark = pytest.mark.skipif(not page_codecs_kernel().loaded, reason=page_codecs_kernel().error)
