@@ -4,7 +4,8 @@ The torch decode of an FP8 / FP4 page is a dozen ops over temporaries (gathers, 
 products, clamps, casts) and then a copy into the pool; at one page per call their dispatch and
 memory traffic, not the arithmetic, bound a load. The native op computes the same values from
 the same tables (``minifloat.decode_tables``) and writes them once, into the destination pages,
-over (page, buffer) units in parallel. ``native_decodes`` is the one check of where it runs:
+on the caller's thread (the loader's reader threads decode their own pages in parallel; it
+releases the GIL). ``native_decodes`` is the one check of where it runs:
 a codec it knows, a CPU pool of float32 / bfloat16 / float16, and the library built (it is not
 with ``DEEPINFER_NO_NATIVE_KERNELS=1``: ``decode_pages`` then does the work).
 """
@@ -56,7 +57,11 @@ def _params(codec: Codec) -> tuple[int, int, bool]:
 def decode_into(codec: Codec, rows: torch.Tensor, buffers: list[torch.Tensor], pages: list[int]) -> None:
     """Page rows [n, page_nbytes] uint8 (the layout of ``page_bytes.encode_pages`` over
     ``buffers``) -> the values of page ``pages[i]`` in every buffer [num_pages, ...], in place;
-    bit-identical to ``decode_pages`` then ``write_pages``. Raises on a malformed row."""
+    bit-identical to ``decode_pages`` then ``write_pages``. Raises on a malformed row, or where
+    the op did not build (``native_decodes`` says whether it did)."""
+    kernel = page_codecs_kernel()
+    if not kernel.loaded:
+        raise RuntimeError(kernel.error)
     block, tokens, native = _params(codec)
     e4m3, e2m1 = decode_tables(native)
     torch.ops.deepinfer_kv_codecs.decode_into(rows.contiguous(), torch.tensor(pages, dtype=torch.int64),

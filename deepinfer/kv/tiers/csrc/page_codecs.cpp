@@ -3,10 +3,10 @@
 // buffer, with no intermediate tensors. Values are computed exactly as the torch decode does
 // (float32 table lookup times float32 scale, clamped to the dtype's finite range, rounded to
 // nearest even), with the tables handed in by the caller, so the results are bit-identical.
-// Work is split over (page, buffer) units; each unit is written by one thread.
+// One call runs on its caller's thread: the loader's reader threads each decode their own
+// pages (an intra-op thread team per reader would oversubscribe the cores they share).
 
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
@@ -217,24 +217,19 @@ void decode_into(const at::Tensor& rows, const at::Tensor& pages, at::TensorList
   const uint8_t* base = rows.data_ptr<uint8_t>();
   const float* t8 = e4m3.data_ptr<float>();
   const float* t4 = e2m1.data_ptr<float>();
-  const int64_t avg = nbuf ? std::max<int64_t>(1, layouts[0].m) : 1;
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / avg);  // ~64K values per task
-  at::parallel_for(0, n * nbuf, grain, [&](int64_t lo, int64_t hi) {
-    std::vector<float> tmp;
-    for (int64_t u = lo; u < hi; ++u) {
-      const int64_t i = u / nbuf, j = u % nbuf;
+  std::vector<float> tmp;
+  for (int64_t i = 0; i < n; ++i) {
+    for (int64_t j = 0; j < nbuf; ++j) {
       const Layout& L = layouts[j];
       const uint8_t* row = base + i * width + offsets[j];
       const at::Tensor& b = buffers[j];
       switch (b.scalar_type()) {
         case at::kFloat: decode_row(L, row, t8, t4, b.data_ptr<float>() + pg[i] * L.m, tmp); break;
-        case at::kBFloat16:
-          decode_row(L, row, t8, t4, b.data_ptr<c10::BFloat16>() + pg[i] * L.m, tmp);
-          break;
+        case at::kBFloat16: decode_row(L, row, t8, t4, b.data_ptr<c10::BFloat16>() + pg[i] * L.m, tmp); break;
         default: decode_row(L, row, t8, t4, b.data_ptr<c10::Half>() + pg[i] * L.m, tmp); break;
       }
     }
-  });
+  }
 }
 
 std::string isa() {
