@@ -10,7 +10,9 @@ stream would do over these page files: every file opened and its header read, th
 ``preadv`` of that layer's K and V slice from each file, each file's tag updated as its layers
 arrive and checked after the last (one thread); ``store``, ``DiskStore.read_into`` on one
 thread (read + header + tag check); ``load``, whole ``PageLoader`` loads on the reader threads
-(what a request waits for). Prints seconds (best of the rounds) and each one's speed as a share
+(what a request waits for); for lossy codecs also ``load-torch``, the same loads decoded by the
+torch ops instead of the native decode (``native_pages.py``), into a second pool that must come
+out bit-identical. Prints seconds (best of the rounds) and each one's speed as a share
 of ``raw``; ``raw`` reads into one reused buffer that stays in the CPU cache, the others write
 384 MB of distinct L1 memory.
 
@@ -49,8 +51,16 @@ PAGE = 16
 SPECS = [KVSpec.gqa(3, 64) for _ in range(30)]  # SmolLM2-135M
 
 
-def tier_io(pool: PagePool, disk: str, codec: str, readers: int) -> TierIO:
-    return TierIO(PoolTransfer(pool), PAGE, "bench", disk_dir=disk, disk_bytes=1 << 40,
+class TorchDecodeTransfer(PoolTransfer):
+    """A pool the native decode does not write into: pages decode through the torch ops."""
+
+    def host_buffers(self) -> None:
+        return None
+
+
+def tier_io(pool: PagePool, disk: str, codec: str, readers: int, native: bool = True) -> TierIO:
+    transfer = PoolTransfer(pool) if native else TorchDecodeTransfer(pool)
+    return TierIO(transfer, PAGE, "bench", disk_dir=disk, disk_bytes=1 << 40,
                   disk_codec=codec, read_ahead=readers)
 
 
@@ -80,6 +90,11 @@ def one_codec(codec: str, n: int, rounds: int, readers: int, work: Path) -> dict
         b.fill_(1.0)  # touched: no page faults in the first round
     tr = PoolTransfer(dst)
     loader = tier_io(dst, disk, codec, readers)
+    dst_torch = PagePool(SPECS, n + 1, PAGE, torch.float32, torch.device("cpu"))
+    if codec != "lossless":
+        for b in dst_torch.owned_buffers():
+            b.fill_(1.0)
+    torch_loader = tier_io(dst_torch, disk, codec, readers, native=False)
 
     def raw() -> None:
         for p in files:
@@ -132,16 +147,18 @@ def one_codec(codec: str, n: int, rounds: int, readers: int, work: Path) -> dict
         for i, k in enumerate(keys):
             assert store.read_into(k, tr.page_views(i + 1), ids[i])
 
-    def load() -> None:
+    def load(into: TierIO = loader) -> None:
         job = LoadJob(sources=[(DISK, k) for k in keys], source_ids=list(ids),
                       dest=list(range(1, n + 1)))
-        loader.start_load(job)
+        into.start_load(job)
         while not job.done:
-            loader.wait(1.0)
+            into.wait(1.0)
         assert job.num_loaded == n, job.num_loaded
 
     cases = {"raw": raw, "load": load}
-    if codec == "lossless":  # the in-place floor and the one-thread check (other codecs decode)
+    if codec != "lossless":
+        cases["load-torch"] = lambda: load(torch_loader)
+    else:  # the in-place floor and the one-thread check (other codecs decode)
         cases.update({"copy": copy, "copy+tag": copy_tag, "layers": layers, "store": read_into})
     out: dict[str, dict] = {}
     for state in ("cached", "cold"):
@@ -155,10 +172,13 @@ def one_codec(codec: str, n: int, rounds: int, readers: int, work: Path) -> dict
                 best[name] = min(best[name], seconds(fn))
         out[state] = {"bytes": nbytes, "seconds": best,
                       "vs_raw": {k: best["raw"] / v for k, v in best.items()}}
-    if codec == "lossless":
-        for a, b in zip(src.owned_buffers(), dst.owned_buffers()):
+    for a, b, c in zip(src.owned_buffers(), dst.owned_buffers(), dst_torch.owned_buffers()):
+        if codec == "lossless":
             assert torch.equal(a[1:], b[1:])  # the loads were exact
+        else:
+            assert torch.equal(b[1:], c[1:])  # native and torch decode agree bit for bit
     loader.close()
+    torch_loader.close()
     return out
 
 

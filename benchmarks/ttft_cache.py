@@ -10,8 +10,15 @@ the uncached tail (the L1 TTFT stands for it). Both L3 cases also run with layer
 (``--kv-stream-layers``), alternating with the whole-page ones. Every TTFT uses a fresh tail, so
 no case hits another's tail pages. llama.cpp's RAM cache is not measured here.
 
+``--promotion`` adds idle-time promotion (``--kv-idle-promote-mb``) on a multi-turn workload:
+conversations whose turns are separated by one-off requests that push them out of a small L2,
+then an idle period (the server's ``on_idle`` loop, run here between requests) before each next
+turn; TTFT p50 of the later turns with promotion off and on, with the L3 files page-cached and
+dropped from the page cache after each request (``promotion.py``). ``--quick`` is the 8K
+prompt at 96% and 99%, lossless, plus the promotion comparison (about 5 minutes on 2 cores).
+
     python benchmarks/ttft_cache.py [--model PATH] [--sizes 2000,4000,8000] [--hits 0.96,0.99]
-        [--codecs lossless,fp8,fp4] [--out results/ttft_cache]
+        [--codecs lossless,fp8,fp4] [--promotion] [--quick] [--out results/ttft_cache]
 
 Writes ``summary.json`` and ``summary.md`` under ``--out``; prints the CPU model with them.
 """
@@ -20,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import os
 import subprocess
 import sys
@@ -31,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tiers import drop_page_cache, llm, one_token, random_ids  # noqa: E402
 
 from deepinfer.hardware import lscpu_model  # noqa: E402
+from deepinfer.sampling_params import SamplingParams  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 CHUNK = 2048
@@ -133,6 +142,79 @@ def one_case(model, codec: str, n: int, hit: float, work: Path) -> dict:
     return row
 
 
+PROMO_L2_GB = 0.125  # L2 small next to the one-off requests between turns
+PROMO_MB = 64.0  # --kv-idle-promote-mb when on (the promoter also keeps to a quarter of L2)
+
+
+def idle(m, disk: Path, drop: bool, limit: float = 10.0) -> float:
+    """The engine's idle period between requests: writes land, the L3 files optionally leave
+    the page cache (time passes), then the server's ``on_idle`` loop until nothing is in flight.
+    -> seconds spent promoting."""
+    m.engine.tiers.flush()
+    if drop:
+        drop_page_cache([str(p) for p in disk.rglob("*.kv")])
+    t0 = time.perf_counter()
+    while m.engine.kv.on_idle() and time.perf_counter() - t0 < limit:
+        time.sleep(0.005)
+    return time.perf_counter() - t0
+
+
+def promotion_case(model, promote_mb: float, drop: bool, args, work: Path) -> dict:
+    """One run of the multi-turn workload; TTFT of every turn after the first."""
+    disk = work / f"promo-{promote_mb}-{drop}"
+    m = llm(model, num_pages=args.promo_background // 16 + 32, max_num_batched_tokens=CHUNK,
+            host_cache_gb=PROMO_L2_GB, enable_disk_cache=True, disk_cache_dir=str(disk),
+            kv_idle_promote_mb=promote_mb)
+    vocab = m.engine.hf_config.vocab_size
+    reply = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    convs = [random_ids(args.promo_first, vocab, seed=300 + c) for c in range(args.promo_convs)]
+    ttft(m, random_ids(64, vocab, seed=299))  # warm-up
+    later, by_tier, idle_s, seed = [], {"device": 0, "host": 0, "disk": 0}, 0.0, 400
+    for turn in range(args.promo_turns):
+        for c in range(len(convs)):
+            if turn:  # other traffic since this conversation's last turn, then an idle period
+                for _ in range(2):
+                    seed += 1
+                    m.generate(random_ids(args.promo_background, vocab, seed=seed), reply)
+                idle_s += idle(m, disk, drop)
+            out = m.generate(convs[c], reply)[0]
+            if turn:
+                later.append(out.ttft)
+                for t, k in out.cached_tokens_by_tier.items():
+                    by_tier[t] += k
+            seed += 1
+            convs[c] = convs[c] + out.token_ids + random_ids(args.promo_step, vocab, seed=seed)
+    stats = m.engine.kv.tiers.promoter.stats() if promote_mb else {}
+    assert m.engine.shutdown()
+    return {"promote_mb": promote_mb, "page_cache": "dropped" if drop else "cached",
+            "ttft_p50": statistics.median(later), "ttft_mean": statistics.fmean(later),
+            "turns": len(later), "cached_tokens_by_tier": by_tier, "idle_seconds": idle_s,
+            "promoted_pages": stats.get("promoted_pages", 0)}
+
+
+def promotion_rows(model, args, work: Path) -> list[dict]:
+    """Off and on, alternating, in each page-cache state."""
+    rows = []
+    for drop in (False, True):
+        for promote_mb in (0.0, PROMO_MB):
+            rows.append(promotion_case(model, promote_mb, drop, args, work))
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def promotion_markdown(rows: list[dict]) -> str:
+    lines = [f"Idle promotion, multi-turn: {PROMO_L2_GB} GB L2, two one-off requests between a "
+             "conversation's turns, then an idle period. TTFT of the later turns, seconds.", "",
+             "| L3 page cache | --kv-idle-promote-mb | TTFT p50 | TTFT mean | cached tokens "
+             "L1 / L2 / L3 | pages promoted | idle seconds |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        t = r["cached_tokens_by_tier"]
+        lines.append(f"| {r['page_cache']} | {r['promote_mb']:g} | {r['ttft_p50']:.3f} | "
+                     f"{r['ttft_mean']:.3f} | {t['device']} / {t['host']} / {t['disk']} | "
+                     f"{r['promoted_pages']} | {r['idle_seconds']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
 def markdown(rows: list[dict], cpu: str) -> str:
     head = ("| codec | prompt | hit | cold | L1 | L2 | L3 cached | L3 cold | bound cached | "
             "bound cold | L3 cold speed-up | L3 load / raw read (cached, cold) | "
@@ -159,20 +241,33 @@ def main() -> None:
     ap.add_argument("--sizes", default="2000,4000,8000")  # the 8K prompt: 8,000 tokens + 1 fits 8192
     ap.add_argument("--hits", default="0.96,0.99")
     ap.add_argument("--codecs", default="lossless,fp8,fp4")
+    ap.add_argument("--promotion", action="store_true", help="add the idle-promotion comparison")
+    ap.add_argument("--promo-convs", type=int, default=2)
+    ap.add_argument("--promo-turns", type=int, default=4)
+    ap.add_argument("--promo-first", type=int, default=1024, help="first turn's prompt tokens")
+    ap.add_argument("--promo-step", type=int, default=128, help="user tokens added per turn")
+    ap.add_argument("--promo-background", type=int, default=1536, help="tokens of each one-off request")
+    ap.add_argument("--quick", action="store_true", help="8K at 96%%/99%%, lossless, + promotion")
     ap.add_argument("--out", default=str(REPO / "results" / "ttft_cache"))
     args = ap.parse_args()
+    if args.quick:
+        args.sizes, args.hits, args.codecs, args.promotion = "8000", "0.96,0.99", "lossless", True
+        args.promo_turns = 3
     cpu = lscpu_model()
     print(f"CPU: {cpu}", flush=True)
-    rows = []
+    rows, promo = [], []
     with tempfile.TemporaryDirectory(prefix="deepinfer-ttft-") as tmp:
-        for codec in args.codecs.split(","):
+        for codec in filter(None, args.codecs.split(",")):
             for n in map(int, args.sizes.split(",")):
                 for hit in map(float, args.hits.split(",")):
                     rows.append(one_case(args.model, codec, n, hit, Path(tmp)))
+        if args.promotion:
+            promo = promotion_rows(args.model, args, Path(tmp))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "summary.json").write_text(json.dumps({"cpu": cpu, "rows": rows}, indent=2))
-    md = markdown(rows, cpu)
+    (out / "summary.json").write_text(json.dumps({"cpu": cpu, "rows": rows, "promotion": promo},
+                                                 indent=2))
+    md = markdown(rows, cpu) + ("\n" + promotion_markdown(promo) if promo else "")
     (out / "summary.md").write_text(md)
     print(md)
 

@@ -26,7 +26,7 @@ import torch
 from .codecs import Codec
 from .disk_file import BadFile, PageFormat, PageId, TagHasher, tag_nbytes
 from .disk_store import DiskStore
-from .page_bytes import KVTransfer, decode_pages
+from .page_bytes import KVTransfer, write_decoded
 
 
 class LayerLoads:
@@ -94,9 +94,7 @@ def stream_pages(store: DiskStore, transfer: KVTransfer, codec: Codec, keys: lis
                     f.hasher.update(v)
             n = len(files) if bad is None else bad[0]
             if rows is not None and n:
-                vals = decode_pages(codec, rows[:n], [transfer.shapes[j] for j in bufs],
-                                    transfer.dtype)
-                transfer.write_buffers(bufs, dest[:n], vals)
+                write_decoded(codec, rows[:n], transfer, dest[:n], bufs)
             off += width
             loads.mark(g)
         for p, f in enumerate(files[: len(files) if bad is None else bad[0]]):

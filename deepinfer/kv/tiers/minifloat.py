@@ -99,6 +99,13 @@ def e4m3_decode(codes: torch.Tensor, native: bool) -> torch.Tensor:
     return _gather(_table("e4m3-native" if native else "e4m3", codes.device), codes).reshape(codes.shape)
 
 
+def decode_tables(native: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The CPU tables the decode gathers from: e4m3 [256] and e2m1 [16] float32 (for native code
+    that must give the same values)."""
+    cpu = torch.device("cpu")
+    return _table("e4m3-native" if native else "e4m3", cpu), _table("e2m1-pairs", cpu)[:16, 0].contiguous()
+
+
 def e2m1_decode_packed(packed: torch.Tensor) -> torch.Tensor:
     """Packed e2m1 bytes (two codes each, even element in the low nibble) -> flat float32."""
     return _gather(_table("e2m1-pairs", packed.device), packed).reshape(-1)

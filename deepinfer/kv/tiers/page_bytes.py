@@ -15,6 +15,7 @@ import torch
 
 from ..pool import PagePool
 from .codecs import Codec
+from .native_pages import decode_into, native_decodes
 
 
 class KVTransfer(Protocol):
@@ -39,6 +40,11 @@ class KVTransfer(Protocol):
     def page_views(self, page: int) -> list[memoryview] | None:
         """Writable views of one page's bytes, per owned buffer (in the lossless byte layout),
         for reads straight into L1; None where the pool is not in host memory."""
+        ...
+
+    def host_buffers(self) -> list[torch.Tensor] | None:
+        """The owned buffers [num_pages, *page_shape], for decodes straight into them; None
+        where the pool is not in contiguous host memory."""
         ...
 
 
@@ -83,6 +89,9 @@ class PoolTransfer:
             return None
         return [mv[page * n : (page + 1) * n] for mv, n in zip(self._bytes, self._page_nbytes)]
 
+    def host_buffers(self) -> list[torch.Tensor] | None:
+        return None if self._bytes is None else self.pool.owned_buffers()
+
 
 def page_nbytes(codec: Codec, shapes: list[tuple[int, ...]], dtype: torch.dtype) -> int:
     """Encoded bytes of one page (all buffers)."""
@@ -126,6 +135,23 @@ def decode_pages(codec: Codec, rows: torch.Tensor, shapes: list[tuple[int, ...]]
     if off != rows.shape[1]:
         raise ValueError(f"page rows of {rows.shape[1]} bytes, layout needs {off}")
     return out
+
+
+def write_decoded(codec: Codec, rows: torch.Tensor, transfer: KVTransfer, pages: list[int],
+                  buffers: range | None = None) -> None:
+    """Decode page rows [n, nbytes] (of the owned ``buffers``, default all) into L1 pages
+    ``pages``: natively, straight into a host pool, where ``native_decodes``; else through
+    ``decode_pages`` and a write (same values)."""
+    group = range(len(transfer.shapes)) if buffers is None else buffers
+    host = transfer.host_buffers()
+    if host is not None and rows.device.type == "cpu" and native_decodes(codec, transfer.dtype):
+        decode_into(codec, rows, [host[j] for j in group], pages)
+        return
+    vals = decode_pages(codec, rows, [transfer.shapes[j] for j in group], transfer.dtype)
+    if buffers is None:
+        transfer.write_pages(pages, vals)
+    else:
+        transfer.write_buffers(group, pages, vals)
 
 
 def check_codec(codec: Codec, shapes: list[tuple[int, ...]]) -> None:

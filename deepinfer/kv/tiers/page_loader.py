@@ -5,8 +5,8 @@ decoded into their pages. L3 pages are spread over the reader threads (``readers
 the next ``READ_CHUNK`` pages, so the pages the prefill needs first land first. A lossless page
 in host memory is read with one ``preadv`` straight into its L1 buffers and checked there
 (``DiskStore.read_into``): no intermediate copy. Other codecs, and CUDA, go through a staging
-buffer per reader (pinned on CUDA) whose pages are decoded together into their L1 pages (on a
-side stream on CUDA). The first page that cannot be read ends the load: the pages before it are
+buffer per reader (pinned on CUDA) whose pages are decoded together into their L1 pages
+(natively, straight into a CPU pool: ``native_pages.py``; on a side stream on CUDA). The first page that cannot be read ends the load: the pages before it are
 in place, nothing after it counts (``job.num_loaded``), and the cache manager frees the rest.
 A job with ``layers`` streams layer by layer instead (``layer_stream.py``), on its loader thread.
 """
@@ -30,7 +30,8 @@ from .disk_file import PageId
 from .disk_store import DiskStore
 from .layer_stream import LayerLoads, stream_pages
 from .page_store import LOCAL, PageStore
-from .page_bytes import KVTransfer, decode_pages
+from .native_pages import native_decodes
+from .page_bytes import KVTransfer, write_decoded
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +61,8 @@ class PageLoader:
         self.num_readers = readers
         # lossless pages in host memory are read straight into their L1 buffers
         self.direct_reads = disk_codec.name == "lossless" and transfer.page_views(0) is not None
+        if not self.cuda:  # build or load the native decode now, not in a request's load
+            native_decodes(disk_codec, self.dtype)
         self._staging: dict[int, torch.Tensor] = {}  # reader thread -> READ_CHUNK encoded pages
         self._jobs = ThreadPoolExecutor(loaders, thread_name_prefix="deepinfer-kv-loader")
         self._readers = ThreadPoolExecutor(readers, thread_name_prefix="deepinfer-l3-reader")
@@ -154,8 +157,8 @@ class PageLoader:
     def _load_host(self, slots: list[int], dest: list[int]) -> int:
         rows = self.read_host(slots)
         with torch.cuda.stream(self._side) if self.cuda else contextlib.nullcontext():
-            rows = rows.to(self.device)  # synchronous: ``rows`` is freed on return
-            self.transfer.write_pages(dest, decode_pages(self.host_codec, rows, self.shapes, self.dtype))
+            # synchronous: ``rows`` is freed on return
+            write_decoded(self.host_codec, rows.to(self.device), self.transfer, dest)
         return len(slots)
 
     def _load_disk(self, keys: list[str], ids: list[PageId | None], dest: list[int],
@@ -214,9 +217,8 @@ class PageLoader:
             n = len(got)
             if n:
                 with torch.cuda.stream(self._side) if self.cuda else contextlib.nullcontext():
-                    dev = rows[:n].to(self.device)  # synchronous: the staging rows are reused
-                    self.transfer.write_pages(dest[:n], decode_pages(self.disk_codec, dev,
-                                                                     self.shapes, self.dtype))
+                    # synchronous: the staging rows are reused
+                    write_decoded(self.disk_codec, rows[:n].to(self.device), self.transfer, dest[:n])
         except Exception:  # noqa: BLE001 - a page that cannot be applied is a miss
             log.exception("L3 pages %s... could not be loaded", keys[0])
             with self._cv:

@@ -1,0 +1,85 @@
+"""Native page decode (``native_pages.py``): bit-identical to the torch decode for every lossy
+codec, dtype and page layout, written straight into the destination pages and nowhere else."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepinfer.kv.layout import KVSpec
+from deepinfer.kv.pool import PagePool
+from deepinfer.kv.tiers.codecs import get_codec
+from deepinfer.kv.tiers.native_pages import decode_into, native_decodes, page_codecs_kernel
+from deepinfer.kv.tiers.page_bytes import PoolTransfer, decode_pages, encode_pages, write_decoded
+
+PS = 16
+GQA_SHARED_LATENT = [KVSpec.gqa(2, 16), KVSpec.gqa(2, 16, share_with=0), KVSpec((("kv", (1, 48)),)),
+                     KVSpec.gqa(1, 32, v_head_dim=16)]
+MLA = [KVSpec((("kv", (1, 96)),)) for _ in range(3)]
+CODECS = [("fp8", None), ("fp8", 16), ("fp8", 4), ("fp8c", None), ("fp4", None), ("fp4", 32), ("fp4", 4),
+          ("mxfp4", None)]  # blocks of 4: the scalar code of an AVX2 build
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+pytestmark = pytest.mark.skipif(not page_codecs_kernel().loaded, reason=page_codecs_kernel().error)
+
+
+def filled_pool(specs, dtype, seed):
+    """Random pages, with blocks at the dtype's top (rounding up must clamp, not overflow), zero
+    blocks (scale 0) and tiny ones."""
+    p = PagePool(specs, 12, PS, dtype, torch.device("cpu"))
+    g = torch.Generator().manual_seed(seed)
+    for b in p.owned_buffers():
+        x = torch.randn(b.shape, generator=g)
+        flat = x.view(b.shape[0], -1)
+        flat[1, :32] *= 0.0
+        flat[2, :64] *= 1e-30
+        flat[3, :32] = torch.finfo(dtype).max * torch.linspace(-1, 1, 32)
+        b.copy_(x.to(dtype))
+    return p
+
+
+def bits(t):
+    return t.view(torch.int16 if t.element_size() == 2 else torch.int32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name,block", CODECS)
+@pytest.mark.parametrize("specs", [GQA_SHARED_LATENT, MLA], ids=["gqa-shared-latent", "mla"])
+def test_native_decode_is_bit_identical_to_torch(specs, name, block, dtype):
+    codec = get_codec(name, block, PS)
+    assert native_decodes(codec, dtype)
+    src = filled_pool(specs, dtype, 0)
+    rows = encode_pages(codec, src.read_pages([1, 2, 3, 4, 5]))
+    dest = [9, 2, 7, 0, 4]
+    ref, got = filled_pool(specs, dtype, 1), filled_pool(specs, dtype, 1)
+    shapes = PoolTransfer(ref).shapes
+    ref.write_pages(dest, decode_pages(codec, rows, shapes, dtype))
+    decode_into(codec, rows, got.owned_buffers(), dest)
+    for r, o in zip(ref.owned_buffers(), got.owned_buffers()):  # the other pages untouched too
+        assert torch.equal(bits(r), bits(o))
+
+
+@pytest.mark.parametrize("name", ["fp8", "fp4"])
+def test_write_decoded_of_one_layer_group(name):
+    """A layer-wise load decodes one group's buffers at a time: only they change."""
+    codec = get_codec(name, None, PS)
+    src, ref, got = (filled_pool(GQA_SHARED_LATENT, torch.bfloat16, s) for s in (0, 1, 1))
+    rows = encode_pages(codec, [d for d in src.read_pages([1, 2])][2:3])  # the latent buffer
+    t_ref, t_got = PoolTransfer(ref), PoolTransfer(got)
+    t_ref.write_buffers(range(2, 3), [5, 6], decode_pages(codec, rows, t_ref.shapes[2:3], torch.bfloat16))
+    write_decoded(codec, rows, t_got, [5, 6], range(2, 3))
+    for r, o in zip(ref.owned_buffers(), got.owned_buffers()):
+        assert torch.equal(bits(r), bits(o))
+
+
+def test_malformed_rows_raise_and_write_nothing():
+    codec = get_codec("fp8c", None, PS)
+    src, dst = filled_pool(MLA, torch.float32, 0), filled_pool(MLA, torch.float32, 1)
+    before = [b.clone() for b in dst.owned_buffers()]
+    rows = encode_pages(codec, src.read_pages([1]))
+    with pytest.raises(RuntimeError, match="layout needs"):
+        decode_into(codec, rows[:, :-1], dst.owned_buffers(), [2])
+    with pytest.raises(RuntimeError, match="beyond the pool"):
+        decode_into(codec, rows, dst.owned_buffers(), [12])
+    for b, a in zip(dst.owned_buffers(), before):
+        assert torch.equal(b, a)
