@@ -7,9 +7,11 @@ unless ``--tool-call-parser`` names another family; ``--tool-call-parser deepsee
 Other models keep their HF chat templates (``prompts.py``, ``tools/``).
 
 A request goes through the recipe's own OpenAI conversion (``ChatCompletionRequest.convert``), so
-thinking on/off, ``reasoning_effort``, ``tool_choice`` and missing reasoning in history follow
-DeepSeek's API exactly; its errors are 400s. The reply is parsed from token ids (DSML markers and
-``</think>`` are special tokens, which the text stream leaves out).
+thinking on/off, ``reasoning_effort``, ``tool_choice``, ``response_format`` and missing reasoning in
+history follow DeepSeek's API exactly; its errors are 400s. ``reply_grammar`` is what the
+reply must follow (forced DSML calls, or reasoning then a ``response_format`` answer). The
+reply is parsed from token ids (DSML markers and ``</think>`` are special tokens, which the
+text stream leaves out).
 
 Prefix stability: a remembered reply's generated ids are kept in the next turn's prompt when the
 official encoding renders that reply back to the same text: tool loops (with ``tools`` the
