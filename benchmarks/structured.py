@@ -1,4 +1,5 @@
-"""Structured-output cost, two ways (run: ``python benchmarks/structured.py``).
+"""Structured-output cost, two ways (run: ``python benchmarks/structured.py``; ``--quick``:
+fewer rounds and tokens, about two minutes).
 
 1. ``libs``: per-token cost of mask + advance of each grammar library that is installed
    (llguidance, xgrammar, outlines-core), teacher-forced over one JSON document with the
@@ -185,7 +186,11 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--quick", action="store_true",
+                    help="2 rounds, batch 4, 32 tokens: a check that it runs, rough figures")
     a = ap.parse_args()
+    if a.quick:
+        a.rounds, a.batch, a.max_tokens = 2, 4, 32
     if a.threads:
         torch.set_num_threads(a.threads)
     print(f"CPU: {lscpu_model()}; torch threads: {torch.get_num_threads()}")

@@ -258,7 +258,7 @@ class AsyncEngine:
                 raise QueueFull(self.config.retry_after_s, self.capacity)
             built = sub.prompt or self.build_prompt(p)
             params = p.params
-            if p.tools.forced and not params.prefill_only:  # the reply is calls, by grammar
+            if p.kind == "chat" and not params.prefill_only:  # tool calls, response_format
                 params.structured_output = self.replies.constraint(
                     p, self.tokenizer.get_added_vocab())
             if p.max_tokens is None:  # the rest of the context

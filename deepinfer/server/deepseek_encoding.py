@@ -7,9 +7,11 @@ unless ``--tool-call-parser`` names another family; ``--tool-call-parser deepsee
 Other models keep their HF chat templates (``prompts.py``, ``tools/``).
 
 A request goes through the recipe's own OpenAI conversion (``ChatCompletionRequest.convert``), so
-thinking on/off, ``reasoning_effort``, ``tool_choice`` and missing reasoning in history follow
-DeepSeek's API exactly; its errors are 400s. The reply is parsed from token ids (DSML markers and
-``</think>`` are special tokens, which the text stream leaves out).
+thinking on/off, ``reasoning_effort``, ``tool_choice``, ``response_format`` and missing reasoning in
+history follow DeepSeek's API exactly; its errors are 400s. ``reply_grammar`` is what the
+reply must follow (forced DSML calls, or reasoning then a ``response_format`` answer). The
+reply is parsed from token ids (DSML markers and ``</think>`` are special tokens, which the
+text stream leaves out).
 
 Prefix stability: a remembered reply's generated ids are kept in the next turn's prompt when the
 official encoding renders that reply back to the same text: tool loops (with ``tools`` the
@@ -33,12 +35,12 @@ from .prompts import BuiltPrompt, PromptBuilder, message_bytes, reply_hasher, re
 from .shared_replies import SharedReplies
 from .thinking import Thinking
 from .tools import ToolCall, ToolOutput, ToolRequest
-from .tools.dsml_grammar import V4, V41, dsml_call_grammar
+from .tools.dsml_grammar import V4, V41, dsml_call_grammar, dsml_reply_grammar
 from .tools.parsers import DSML_PARSER, call_id
 from .tools.stream import CallDelta, StreamPiece
 
 _ALIAS = "deepinfer"  # the model name conversion is given (the server checks the client's)
-_FIELDS = ("reasoning_effort", "tool_choice", "thinking", "tools", "stop")
+_FIELDS = ("reasoning_effort", "tool_choice", "thinking", "tools", "stop", "response_format")
 
 
 def recipe_version(config: dict) -> dr.ModelVersion | None:
@@ -92,6 +94,7 @@ class DeepseekChat:
         self.options = dr.ConversionOptions().with_model_alias(_ALIAS, version)
         self.syntax = V41 if v41 else V4
         self.dsml = self._marker(dr.SpecialToken.Dsml)
+        self.think_end = self._marker(dr.SpecialToken.ThinkingEnd)
 
     def _marker(self, token: dr.SpecialToken) -> str:
         """A special token as a Lark item: its id when it is one token (which text cannot
@@ -101,7 +104,10 @@ class DeepseekChat:
         return f"<[{ids[0]}]>" if len(ids) == 1 else json.dumps(spelling, ensure_ascii=False)
 
     def convert(self, messages: list[dict], tools: ToolRequest, thinking: Thinking,
-                stop: list[str] | None = None) -> dr.ConversationRequest:
+                stop: list[str] | None = None,
+                response_format: dict | None = None) -> dr.ConversationRequest:
+        """``response_format`` as the client sent it (checked by the protocol): the encoding
+        renders it into the system prompt, in the client's key order."""
         body: dict = {"model": _ALIAS, "messages": [_openai_message(m) for m in messages]}
         if tools.tools:
             body["tools"] = tools.tools
@@ -113,24 +119,38 @@ class DeepseekChat:
             body["reasoning_effort"] = thinking.effort
         if stop:
             body["stop"] = stop
+        if response_format is not None:
+            body["response_format"] = response_format
         try:
             return dr.ChatCompletionRequest(body).convert(self.options)
         except (ValueError, dr.ConversionError) as e:
             raise RequestError(self._blame(body), str(e)) from None
 
-    def call_grammar(self, messages: list[dict], tools: ToolRequest,
-                     thinking: Thinking) -> StructuredOutput | None:
-        """The grammar of a reply whose prompt opened the DSML call block (``tool_choice``
-        required / named): calls to the tools the recipe lists for that choice."""
-        request = self.convert(messages, tools, thinking)
+    def reply_grammar(self, messages: list[dict], tools: ToolRequest, thinking: Thinking,
+                      response_format: dict | None = None) -> StructuredOutput | None:
+        """The grammar of the reply, or None when it is free: calls after the DSML call block
+        the prompt opens (``tool_choice`` required / named), or an answer that follows a JSON
+        ``response_format`` after free reasoning (thinking on), where ``tool_choice`` auto
+        leaves a call block as the other branch."""
+        request = self.convert(messages, tools, thinking, None, response_format)
         constraint = request.inference_options.output_constraint
-        if constraint is None or constraint.kind != "tool_call_required":
+        if constraint is None:
             return None
-        listed = json.loads(constraint.schema)
         where = {t["function"]["name"]: f"tools[{i}].function" for i, t in enumerate(tools.tools)}
+        listed = json.loads(constraint.schema) if constraint.kind.startswith("tool_call") else []
         wheres = [where.get(t["function"]["name"], "tools") for t in listed]
-        return StructuredOutput.lark(dsml_call_grammar(self.syntax, self.dsml, listed,
-                                                       tools.parallel, wheres))
+        if constraint.kind == "tool_call_required":
+            return StructuredOutput.lark(dsml_call_grammar(self.syntax, self.dsml, listed,
+                                                           tools.parallel, wheres))
+        conv = request.conversation
+        if conv.response_format not in ("json_object", "json_schema"):
+            return None  # tool_choice auto without a format: calls or text, unconstrained
+        schema = conv.response_schema if conv.response_format == "json_schema" \
+            else {"type": "object"}
+        thinks = request.parsing_options.thinking_initial_stage is not None
+        return StructuredOutput.lark(dsml_reply_grammar(
+            self.syntax, self.dsml, self.think_end if thinks else None, schema, listed,
+            tools.parallel, wheres))
 
     def _blame(self, body: dict) -> str:
         """The request field a rejected conversion is about: the first one whose removal makes
@@ -238,10 +258,11 @@ class DeepseekPromptBuilder(PromptBuilder):
         self.recipe = chat
 
     def chat(self, messages: list[dict], salt: str | None, tools: list[dict] | None = None,
-             tool_request: ToolRequest | None = None,
-             thinking: Thinking = Thinking()) -> BuiltPrompt:
+             tool_request: ToolRequest | None = None, thinking: Thinking = Thinking(),
+             response_format: dict | None = None) -> BuiltPrompt:
         tool_request = tool_request or ToolRequest(tools or [])
-        fresh = self.recipe.encode(self.recipe.convert(messages, tool_request, thinking))
+        fresh = self.recipe.encode(self.recipe.convert(messages, tool_request, thinking, None,
+                                                       response_format))
         h = reply_hasher(salt, tool_request.tools)
         found = None
         for i, m in enumerate(messages):

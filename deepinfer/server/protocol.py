@@ -311,6 +311,7 @@ class ParsedRequest:
     tool_call_prefix: str = "call_"  # ids of parsed tool calls (the Anthropic API: "toolu_")
     cache_breakpoints: list[CacheBreakpoint] = field(default_factory=list)  # Anthropic API
     thinking: Thinking = field(default_factory=Thinking)  # read by the DeepSeek-V4 encoding
+    response_format: dict | None = None  # as sent: the DeepSeek-V4 encoding renders it
 
     @property
     def prompt_field(self) -> str:
@@ -441,4 +442,5 @@ def parse_request(body: dict, kind: str, defaults: dict | None = None) -> Parsed
                          stream=stream, include_usage=include_usage, cache_salt=salt,
                          user=get_str(body, "user"), want_logprobs=want, tools=tools,
                          structured_field="tool_choice" if tools.forced else "response_format",
-                         thinking=_request_field(parse_thinking, body) if chat else Thinking())
+                         thinking=_request_field(parse_thinking, body) if chat else Thinking(),
+                         response_format=body.get("response_format") if chat else None)

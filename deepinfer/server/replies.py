@@ -37,15 +37,19 @@ class ReplyFormat:
                                     "start the server with --chat-template FILE (a template "
                                     "that does) or --tool-call-parser", param="tools")
             return builder.chat(p.messages, p.cache_salt, p.tools.tools)
-        return builder.chat(p.messages, p.cache_salt, p.tools.tools, p.tools, p.thinking)
+        return builder.chat(p.messages, p.cache_salt, p.tools.tools, p.tools, p.thinking,
+                            p.response_format)
 
     def constraint(self, p: ParsedRequest, added_tokens: dict[str, int]) -> StructuredOutput | None:
-        """The grammar of a reply that must be calls (``tool_choice`` required / named): the
-        parser family's call syntax, or DSML after the call block the recipe's prompt opens."""
-        if not p.tools.forced:
+        """The grammar of a chat reply: with the recipe, its whole reply (DSML calls after the
+        call block its prompt opens, or reasoning then a ``response_format`` answer); else the
+        parser family's call syntax when the reply must be calls, or ``response_format``."""
+        if not p.tools.forced and p.params.structured_output is None:
             return None
         if self.recipe is not None:
-            return self.recipe.call_grammar(p.messages, p.tools, p.thinking)
+            return self.recipe.reply_grammar(p.messages, p.tools, p.thinking, p.response_format)
+        if not p.tools.forced:
+            return p.params.structured_output
         schema = p.tools.call_schema(self.tool_parser.ARGS_KEY)
         return StructuredOutput.lark(self.tool_parser.call_grammar(schema, p.tools.parallel,
                                                                    added_tokens))
@@ -61,7 +65,8 @@ class ReplyFormat:
             return None
         limit = None if p.tools.parallel else 1
         if self.recipe is not None:
-            conv = self.recipe.convert(p.messages, p.tools, p.thinking, p.params.stop)
+            conv = self.recipe.convert(p.messages, p.tools, p.thinking, p.params.stop,
+                                       p.response_format)
             return self.recipe.parse(conv, token_ids, request_id, p.tool_call_prefix, limit)
         out = self.tool_parser.parse(text)
         out.calls = number_calls(out.calls, request_id, p.tool_call_prefix, limit)
@@ -73,6 +78,7 @@ class ReplyFormat:
             return None
         limit = None if p.tools.parallel else 1
         if self.recipe is not None:
-            conv = self.recipe.convert(p.messages, p.tools, p.thinking, p.params.stop)
+            conv = self.recipe.convert(p.messages, p.tools, p.thinking, p.params.stop,
+                                       p.response_format)
             return self.recipe.reply_stream(conv, request_id, p.tool_call_prefix, limit)
         return ToolCallStream(self.tool_parser, request_id, p.tool_call_prefix, limit)

@@ -244,3 +244,19 @@ def test_recipe_is_chosen_from_the_checkpoint_or_the_flag():
 
 def test_special_tokens_are_single_ids(chat):
     assert all(len(chat.tokenizer.encode(s)) == 1 for s in SPECIALS)
+
+
+@pytest.mark.parametrize("thinking", [True, False])
+def test_response_format_is_rendered_as_the_recipes_own_conversation(builder, chat, thinking):
+    """The schema goes into the prompt as the recipe's ``Conversation(response_schema=...)``
+    renders it, in the client's key order (not sorted)."""
+    schema = {"type": "object", "properties": {"zeta": {"type": "integer"},
+                                               "alpha": {"type": "string"}}}
+    rf = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
+    messages = [{"role": "user", "content": "Weather?"}]
+    built = builder.chat(messages, None, [], tool_request(), Thinking(thinking), rf)
+    conv = dr.Conversation([dr.UserMessage("Weather?")], thinking_mode=thinking,
+                           reasoning_effort="high" if thinking else None, response_schema=schema)
+    assert built.token_ids == list(chat.encoding.encode(conv))
+    text = chat.encoding.render_conversation(conv).prompt
+    assert text.index('"zeta"') < text.index('"alpha"')

@@ -1,5 +1,7 @@
-"""The grammar of a DeepSeek-V4 / V4.1 reply that must be DSML tool calls (``tool_choice``
-``required`` or a named function), in llguidance's Lark dialect.
+"""The grammars of DeepSeek-V4 / V4.1 replies, in llguidance's Lark dialect: a reply that must
+be DSML tool calls (``tool_choice`` ``required`` or a named function: ``dsml_call_grammar``),
+and one whose answer must follow ``response_format`` (``dsml_reply_grammar``: free reasoning
+when thinking is on, then JSON or, with ``tool_choice`` auto, a DSML call block).
 
 The prompt the official encoding builds for a forced choice ends inside the call block
 (``...<｜DSML｜tool_calls>\\n``), so the reply is one or more invokes and the block's end tag,
@@ -44,6 +46,8 @@ _OBJECT_KEYS = {"type", "properties", "required", "additionalProperties", "descr
 _RAW_STRING_KEYS = {"type", "description", "title", "default", "examples", "$comment",
                     "deprecated", "readOnly", "writeOnly", "enum", "const"}
 _TRUE, _FALSE = '"true">', '"false">'  # how a parameter's open tag ends: raw or JSON value
+# a response_format answer: compact JSON, as the engine writes it for every model
+_COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
 
 
 @dataclass(frozen=True)
@@ -141,17 +145,41 @@ def _raw_values(schema: object) -> list[str] | None:
     return [] if schema.get("type") == "string" else None
 
 
-def dsml_call_grammar(syntax: DsmlSyntax, dsml: str, tools: list[dict], parallel: bool,
-                      wheres: list[str] | None = None) -> str:
-    """The Lark grammar of a reply of calls to ``tools`` (OpenAI function tools), one or
-    (``parallel``) more, ending with the block's end tag; ``dsml`` is the marker as a Lark
-    item (``<[id]>``), ``wheres`` the request path of each tool for errors."""
-    b = _Builder(syntax, dsml)
+def _call_rules(b: _Builder, tools: list[dict], parallel: bool, wheres: list[str] | None) -> str:
+    """Adds the rules of calls to ``tools`` to ``b``; returns the expression of what follows
+    the call block's open tag: the calls and the block's end tag."""
     wheres = wheres or [f"tools[{k}].function" for k in range(len(tools))]
     names = [b.invoke(k, t["function"], wheres[k]) for k, t in enumerate(tools)]
     b.rules.append(f"call: {' | '.join(names)}")
     b.rules.append('raw_text: (RAW_TEXT | "<" | "/")*')
     b.rules.append(r"RAW_TEXT: /[^<\/]+/")
     calls = 'call ("\\n" call)*' if parallel else "call"
-    start = f'start: {calls} "\\n" {b.close(syntax.calls)}'
+    return f'{calls} "\\n" {b.close(b.s.calls)}'
+
+
+def dsml_call_grammar(syntax: DsmlSyntax, dsml: str, tools: list[dict], parallel: bool,
+                      wheres: list[str] | None = None) -> str:
+    """The Lark grammar of a reply of calls to ``tools`` (OpenAI function tools), one or
+    (``parallel``) more, ending with the block's end tag; ``dsml`` is the marker as a Lark
+    item (``<[id]>``), ``wheres`` the request path of each tool for errors."""
+    b = _Builder(syntax, dsml)
+    start = f"start: {_call_rules(b, tools, parallel, wheres)}"
     return "\n".join([start] + b.rules)
+
+
+def dsml_reply_grammar(syntax: DsmlSyntax, dsml: str, think_end: str | None, schema: dict,
+                       tools: list[dict], parallel: bool, wheres: list[str] | None = None) -> str:
+    """The Lark grammar of a whole reply whose answer must follow ``response_format``: with
+    thinking on (``think_end``: the end tag as a Lark item), free reasoning text up to that
+    tag; then a JSON answer under ``schema`` (compact, as other models' ``response_format``)
+    or, when ``tools`` may be called (``tool_choice`` auto), a DSML call block as the encoding
+    renders one after an empty content (``"\\n\\n"`` and the block's open tag)."""
+    b = _Builder(syntax, dsml)
+    answer = f"%json {json.dumps({'x-guidance': _COMPACT_JSON, **schema})}"
+    if tools:
+        open_tag = f'"\\n\\n" "<" {dsml} {_lit(syntax.calls + ">")} "\\n"'
+        answer = f"({answer} | {open_tag} {_call_rules(b, tools, parallel, wheres)})"
+    if think_end is not None:  # text only: a special token (EOS, DSML) cannot be reasoning
+        b.rules.append(r"REASONING: /(?s:.*)/")
+        answer = f"REASONING {think_end} {answer}"
+    return "\n".join([f"start: {answer}"] + b.rules)
