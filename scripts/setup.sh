@@ -21,10 +21,11 @@ fi
 python - <<'PY'
 from deepinfer.layers.native_decode import native_decode_kernel
 from deepinfer.layers.native_ops import small_ops_kernel
+from deepinfer.kv.tiers.native_pages import page_codecs_kernel
 from deepinfer.quant.native import native_kernel
 
 for name, build in (("quantized matmul", native_kernel), ("paged decode attention", native_decode_kernel),
-                    ("small ops", small_ops_kernel)):
+                    ("small ops", small_ops_kernel), ("FP8/FP4 page codecs", page_codecs_kernel)):
     k = build()
     print(f"native {name} kernel:", k.isa or k.error)
 PY
