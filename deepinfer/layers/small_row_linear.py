@@ -1,4 +1,4 @@
-"""Float linears for a few rows at a time (``csrc/small_rows.cpp``): decode, batched decode and
+"""Float linears for a few rows at a time (``csrc/small_rows.cpp``): batched decode and
 speculative verify spans.
 
 For 2-16 rows MKL's float matmul on an AVX2 CPU runs a small threaded sgemm that costs several
@@ -6,7 +6,7 @@ times its 1-row matrix-vector path, although both are bound by reading the same 
 verify step of a few tokens cost several decode steps. The native kernel reads each weight row
 once for all rows of the call, and gives each output the same bits whatever the number of rows
 or threads. ``use_small_row_linears`` swaps every float ``nn.Linear`` of a loaded CPU model
-for a ``SmallRowLinear`` (once, at load); calls of more rows (prefill chunks) keep ``F.linear``.
+for a ``SmallRowLinear`` (once, at load); calls of one row or of more than 16 keep ``F.linear``.
 CUDA, other dtypes, ``DEEPINFER_NO_NATIVE_KERNELS=1`` and a failed build keep ``nn.Linear``.
 """
 
@@ -24,7 +24,10 @@ from .linear import FusedLinear, SplitOutputs
 
 SOURCE = Path(__file__).parent / "csrc" / "small_rows.cpp"
 STEM = "deepinfer_small_rows"
-MAX_ROWS = 16  # above it a call is a prefill chunk, where MKL's blocked sgemm is faster
+# Calls of MIN_ROWS..MAX_ROWS rows run the kernel. One row (batch-1 decode) keeps MKL's
+# matrix-vector path, which the kernel only matches; above 16 a call is a prefill chunk, where
+# MKL's blocked sgemm is faster.
+MIN_ROWS, MAX_ROWS = 2, 16
 DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -40,7 +43,7 @@ def small_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 
 
 class SmallRowLinear(SplitOutputs, nn.Module):
-    """``nn.Linear``'s product, by the native kernel for up to ``MAX_ROWS`` rows; keeps the
+    """``nn.Linear``'s product, by the native kernel for ``MIN_ROWS``..``MAX_ROWS`` rows; keeps the
     layer's parameters (tied weights stay tied) and ``out_sizes`` so fused layers still split."""
 
     def __init__(self, linear: nn.Linear) -> None:
@@ -52,7 +55,7 @@ class SmallRowLinear(SplitOutputs, nn.Module):
         self.out_sizes = linear.out_sizes if isinstance(linear, FusedLinear) else [linear.out_features]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() > MAX_ROWS * self.in_features:
+        if not MIN_ROWS * self.in_features <= x.numel() <= MAX_ROWS * self.in_features:
             return F.linear(x, self.weight, self.bias)
         y = small_rows_linear(x.reshape(-1, self.in_features), self.weight, self.bias)
         return y.view(*x.shape[:-1], self.out_features)

@@ -95,8 +95,9 @@ def test_swap_keeps_parameters_and_splits_and_prefill_rows_run_f_linear(kernel):
     x = torch.randn(3, 5, 16)  # 15 rows: the kernel
     assert [t.shape[-1] for t in qkv.split(qkv(x))] == [8, 4, 4]
     torch.testing.assert_close(qkv(x), F.linear(x, qkv.weight, qkv.bias), rtol=1e-5, atol=1e-5)
-    big = torch.randn(MAX_ROWS + 1, 16)  # a prefill chunk: F.linear itself
-    assert torch.equal(head(big), F.linear(big, head.weight))
+    for rows in (1, MAX_ROWS + 1):  # a batch-1 decode and a prefill chunk: F.linear itself
+        x = torch.randn(rows, 16)
+        assert torch.equal(head(x), F.linear(x, head.weight))
 
 
 def test_swap_leaves_other_devices_and_dtypes(kernel):

@@ -125,8 +125,9 @@ void row_tile(const W* wp, const float* xp, const float* bias, int64_t n, int64_
 template <typename W, typename Y>
 void run(const W* wp, const float* xp, const float* bias, int64_t M, int64_t K, int64_t N, Y* y) {
   const int64_t tiles = (N + kTileRows - 1) / kTileRows;
-  // about 64K weights per task, so a small layer is not split over threads that sleep
-  const int64_t grain = std::max<int64_t>(1, (1 << 16) / (kTileRows * K));
+  // at least 1M weights per task: waking a sleeping (passive) worker and waiting for it costs
+  // more than reading a smaller layer alone, by far when other jobs hold the cores
+  const int64_t grain = std::max<int64_t>(1, (1 << 20) / (kTileRows * K));
   at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t n = t * kTileRows;
