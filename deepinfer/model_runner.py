@@ -19,6 +19,7 @@ from .kv.build import build_device_kv
 from .layers.logits_processors import apply_logit_bias, apply_penalties
 from .layers.rotary import RotaryEmbedding
 from .layers.sampler import SampleResult, sample
+from .layers.small_row_linear import use_small_row_linears
 from .loader.quantized import dequantized
 from .models.registry import model_class
 from .quant.kernels import plan_quantization
@@ -75,6 +76,7 @@ class ModelRunner:
         model.load_weights(weights)  # copies cast each tensor into its parameter's dtype
         quantize_model(model, self.quant_plan, skip=model.unquantized_linears + model.fp32_params,
                        prequantized=self._checkpoint_blocks(ckpt, model))
+        use_small_row_linears(model)  # the float linears left: the native kernel for a few rows
         return model.eval()
 
     def _checkpoint_blocks(self, ckpt: Checkpoint, model) -> dict[str, QuantizedWeight]:
