@@ -79,7 +79,8 @@ def test_turns_land_on_the_worker_holding_the_prefix(kv_router, workers):
     for u in urls:
         snap = httpx.get(u + "/kv/snapshot").json()
         assert st[u]["cache_pages"] == snap["cache_pages"] == WORKER_PAGES - 1
-        assert st[u]["device_pages"] == len(snap["pages"]["device"]) > 0
+        assert st[u]["device_pages"] == len(snap["pages"]["device"])
+    assert st[first]["device_pages"] > 0  # (the other worker may have served nothing yet)
 
 
 def test_round_robin_alternates_and_hits_less(kv_router, rr_router, workers):

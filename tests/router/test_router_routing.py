@@ -16,9 +16,12 @@ from router_procs import PAGE, RouterThread
 @pytest.fixture(scope="module")
 def kv(tiny_llama, workers):
     # pending pages last the whole module: a request slower than the default TTL (a loaded
-    # machine) must not turn the pending-pages prediction below into a coin toss
+    # machine) must not turn the pending-pages prediction below into a coin toss. No eviction
+    # term: the session's workers have small pools that earlier test files filled unevenly, and
+    # these tests are about overlap, pending pages and load (test_router_policy.py prices
+    # eviction exactly)
     r = RouterThread(tiny_llama, [w.url for w in workers], overlap_weight=2.0,
-                     pending_ttl_s=3600.0)
+                     pending_ttl_s=3600.0, evict_weight=0.0)
     settle(r.url, [w.url for w in workers])
     yield r
     r.stop()
