@@ -37,6 +37,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 from deepinfer.hardware import cpu_isa, lscpu_model
+from deepinfer.layers.small_row_linear import SmallRowLinear
 from deepinfer.llm import LLM
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.threads import available_cores
@@ -79,12 +80,13 @@ def gemm_row(weights: list[torch.Tensor], m: int, clock, rounds: int) -> dict:
 
 
 class LinearTimer:
-    """Accumulates the time spent inside a model's ``nn.Linear`` forwards (hooks, no patching)."""
+    """Accumulates the time spent inside a model's linear forwards (``nn.Linear`` and the
+    small-row CPU linears that replace them at load; hooks, no patching)."""
 
     def __init__(self, model: nn.Module, clock) -> None:
         self.clock, self.seconds, self._start = clock, 0.0, 0.0
         for m in model.modules():
-            if isinstance(m, nn.Linear):
+            if isinstance(m, (nn.Linear, SmallRowLinear)):
                 m.register_forward_pre_hook(self._enter)
                 m.register_forward_hook(self._leave)
 
