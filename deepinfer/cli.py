@@ -28,7 +28,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="weight-only quantization of every linear layer, LM head included")
     p.add_argument("--quantization-kernel", default=d.quantization_kernel, choices=KERNELS,
                    help="auto: the fastest accurate kernel here; native (ours, CPU, int16-rounded activations; "
-                        "native-int8: faster, lossy; native-float: exact); fbgemm (int8, lossy); tinygemm (int4, bf16); dequant")
+                        "native-int8: int8-rounded, lossy; native-float: exact); fbgemm (int8, lossy); tinygemm (int4, bf16); dequant")
     p.add_argument("--attention-backend", default=d.attention_backend, choices=ATTENTION_BACKENDS,
                    help="decode attention: auto (our CPU kernel, reads KV pages in place) | torch (gather + SDPA)")
     p.add_argument("--max-model-len", type=int, default=None)
