@@ -43,6 +43,15 @@ def fastest(fns: list, rounds: int) -> list[float]:
     return best
 
 
+def write_summary(out: str, res: dict, lines: list[str]) -> None:
+    """``res`` as ``out``/summary.json and the table ``lines`` as summary.md, printed too."""
+    path = Path(out)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "summary.json").write_text(json.dumps(res, indent=2))
+    (path / "summary.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(100, vocab - 100, (n, length), generator=g).tolist()

@@ -29,7 +29,7 @@ import sys
 from pathlib import Path
 
 import torch
-from core import fastest, random_prompts, timed
+from core import fastest, random_prompts, timed, write_summary
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from deepinfer.hardware import auto_dtype, cpu_isa, lscpu_model
@@ -239,11 +239,7 @@ def main() -> None:
                   "|---|---|---|---|"]
         lines += [f"| {k} | {v['quiet_tok_s']:.1f} | {v['busy_tok_s']:.1f} | {v['ratio']:.2f}x |"
                   for k, v in res["contention"].items()]
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "summary.json").write_text(json.dumps(res, indent=2))
-    (out / "summary.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_summary(args.out, res, lines)
 
 
 if __name__ == "__main__":

@@ -25,14 +25,12 @@ from __future__ import annotations
 import deepinfer  # noqa: F401  (first: sets the OpenMP wait policy before torch loads)
 
 import argparse
-import json
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from core import random_prompts
+from core import random_prompts, write_summary
 from torch import nn
 from transformers import AutoModelForCausalLM
 
@@ -161,11 +159,7 @@ def main() -> None:
         lines.append(f"| {p['tokens']} | {s['ours']:.2f} | {p['linear_share']:.0%} | {s['transformers']:.2f} | "
                      f"{p['ours_vs_transformers']:.2f}x | {p['ceiling_gemm_only']:.2f}x | "
                      f"{p['ceiling_fastest_gemm']:.2f}x |")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "summary.json").write_text(json.dumps(res, indent=2))
-    (out / "summary.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_summary(args.out, res, lines)
 
 
 if __name__ == "__main__":
