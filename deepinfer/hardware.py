@@ -23,6 +23,7 @@ class CpuIsa:
     model: str  # "model name" from /proc/cpuinfo
     capability: str  # torch's vector ISA level (torch.backends.cpu.get_cpu_capability())
     bf16_flags: tuple[str, ...]  # which of BF16_FLAGS the CPU reports
+    flags: frozenset[str] = frozenset()  # every flag /proc/cpuinfo lists (native kernels' ISA choice)
 
     @property
     def native_bf16(self) -> bool:
@@ -42,7 +43,7 @@ def parse_cpuinfo(text: str, capability: str) -> CpuIsa:
             fields[key.strip()] = value.strip()
     flags = set(fields.get("flags", "").split())
     return CpuIsa(model=fields.get("model name", "unknown CPU"), capability=capability,
-                  bf16_flags=tuple(f for f in BF16_FLAGS if f in flags))
+                  bf16_flags=tuple(f for f in BF16_FLAGS if f in flags), flags=frozenset(flags))
 
 
 @cache

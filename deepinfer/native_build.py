@@ -10,7 +10,8 @@ Concurrent first uses wait on each other through an ``flock`` on the build folde
 drops when its holder dies: torch's own lock is a plain file that a process killed mid-build
 leaves behind, and every later ``load`` would wait on it forever, so a leftover one found while
 holding the flock is removed. AVX2+FMA code where torch itself runs AVX2 or better (detected at
-run time), portable scalar code elsewhere (each source picks its code on ``__AVX2__``).
+run time), plus the AVX-512 extensions the CPU has where torch runs AVX-512, portable scalar code
+elsewhere (each source picks its code on ``__AVX2__`` / ``__AVX512F__`` ...).
 
 A failed build (no compiler, no ninja) is not an error: the result says why, and the caller
 falls back to torch ops. ``DEEPINFER_NO_NATIVE_KERNELS=1`` skips every build.
@@ -28,6 +29,8 @@ from pathlib import Path
 
 import torch
 
+from deepinfer.hardware import cpu_isa
+
 DISABLE_ENV = "DEEPINFER_NO_NATIVE_KERNELS"
 
 
@@ -41,9 +44,20 @@ class NativeExtension:
         return not self.error
 
 
+# /proc/cpuinfo flag -> gcc flag of the AVX-512 extensions a source may use (``__AVX512VNNI__``,
+# ``__AVX512BF16__``, ...), enabled only where torch itself runs AVX-512 and the CPU lists them.
+AVX512_FLAGS = {"avx512f": "-mavx512f", "avx512bw": "-mavx512bw", "avx512vl": "-mavx512vl",
+                "avx512dq": "-mavx512dq", "avx512_vnni": "-mavx512vnni", "avx512_bf16": "-mavx512bf16"}
+
+
 def compiler_flags() -> list[str]:
-    """Vector ISA flags for this CPU: AVX2+FMA where torch's own kernels run AVX2 or better."""
-    isa = ["-mavx2", "-mfma", "-mf16c"] if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") else []
+    """Vector ISA flags for this CPU: AVX2+FMA where torch's own kernels run AVX2 or better, and
+    the AVX-512 extensions the CPU lists where torch runs AVX-512 (F, BW, VL and DQ all needed)."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    isa = ["-mavx2", "-mfma", "-mf16c"] if capability in ("AVX2", "AVX512") else []
+    flags = cpu_isa().flags
+    if capability == "AVX512" and {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
+        isa += [gcc for cpu, gcc in AVX512_FLAGS.items() if cpu in flags]
     return ["-O3", "-fopenmp", *isa]
 
 

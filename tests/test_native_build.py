@@ -72,3 +72,22 @@ def test_build_failure_is_a_result(tmp_path, monkeypatch):
     broken.write_text('#error "no kernel today"\n')
     result = native_build.build_extension("broken", broken, lambda: pytest.fail("isa of a failed build"))
     assert not result.loaded and "broken.cpp did not build" in result.error
+
+
+@pytest.mark.parametrize(("capability", "flags", "expected"), [
+    ("AVX2", {"avx512f", "avx512bw", "avx512vl", "avx512dq"}, []),  # torch runs AVX2: no AVX-512 code
+    ("AVX512", {"avx512f", "avx512bw", "avx512vl"}, []),  # DQ missing: none of it
+    ("AVX512", {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"},
+     ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni"]),
+    ("AVX512", {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16"},
+     ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mavx512bf16"]),
+])
+def test_avx512_flags_follow_torch_and_the_cpu(monkeypatch, capability, flags, expected):
+    from deepinfer.hardware import parse_cpuinfo
+
+    isa = parse_cpuinfo("flags\t: avx2 fma f16c " + " ".join(sorted(flags)), capability)
+    monkeypatch.setattr(native_build, "cpu_isa", lambda: isa)
+    monkeypatch.setattr(native_build.torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    got = native_build.compiler_flags()
+    assert got[:5] == ["-O3", "-fopenmp", "-mavx2", "-mfma", "-mf16c"]
+    assert got[5:] == expected
