@@ -163,6 +163,9 @@ def placements(log: Path, workers: list[str]) -> list[dict]:
 def run_one(config: str, wl: Workload, pages: int, max_len: int, concurrency: int,
             logs: Path) -> dict:
     single = config == "single_engine_2x"
+    # a worker refuses a max_model_len its pool cannot hold (it keeps one page back); the same
+    # limit for both, so the single engine serves the same requests
+    max_len = min(max_len, (pages - 1) * 16)
     workers, procs = start_workers(1 if single else 2, pages * 2 if single else pages, max_len,
                                    logs)
     front_log = logs / f"{config}.log"
