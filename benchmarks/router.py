@@ -137,10 +137,11 @@ def workload(name: str, shape: Shape, seed: int) -> Workload:
 
 
 def front_args(config: str) -> tuple[str, list[str]]:
-    """``kv@evict-weight=0.5,overlap-weight=2`` -> ("kv", [--evict-weight 0.5 --overlap-weight 2])."""
+    """``kv@evict-weight=0.5+overlap-weight=2`` -> ("kv", [--evict-weight 0.5 --overlap-weight 2])
+    (``+``: ``--configs`` is split at commas)."""
     policy, _, opts = config.partition("@")
     args = []
-    for kv in filter(None, opts.split(",")):
+    for kv in filter(None, opts.split("+")):
         k, _, v = kv.partition("=")
         args += [f"--{k}", v]
     return policy, args
@@ -203,8 +204,8 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--configs", default=",".join(CONFIGS),
-                    help="also kv@OPTION=VALUE,...: the kv router with those options, e.g. "
-                         "kv@evict-weight=0")
+                    help="also kv@OPTION=VALUE+...: the kv router with those options, e.g. "
+                         "kv@evict-weight=0+overlap-weight=2")
     ap.add_argument("--workloads", default="chat,agent")
     ap.add_argument("--out", default="results/router")
     args = ap.parse_args()
