@@ -3,13 +3,15 @@ through ``deepinfer router`` (round_robin, kv), through ``sglang-router`` (cache
 front of the same workers, and on one engine holding all the memory, side by side in one run.
 
 Two ``deepinfer serve`` workers of the embedded SmolLM2 (``--threads 1`` each, ``--num-pages``
-small so one worker cannot hold every conversation), started fresh for every (config,
-workload): no config inherits another's cache. The workloads are ``deepinfer.bench``'s
+small: one worker holds about half the sessions, the single engine all of them), started fresh
+for every run: no config inherits another's cache. The workloads are ``deepinfer.bench``'s
 multi-turn chat and agent loop, driven by its client (streamed requests; TTFT measured at the
-client, cached tokens from each response's usage).
+client, cached tokens from each response's usage). Each round runs every config on the same
+prompts (new ones per round), the configs in a rotated order; ``router_report.py`` pools the
+rounds and bootstraps the TTFT percentiles, so "kv beats round_robin" is decided by an interval.
 
-    python benchmarks/router.py [--quick] [--pages 80] [--out results/router]
-        [--configs kv,round_robin] [--workloads chat] [--kv-args "--overlap-weight 2"]
+    python benchmarks/router.py [--quick] [--rounds 2] [--pages 80] [--out results/router]
+        [--configs round_robin,kv,kv@evict-weight=0] [--workloads chat]
 
 Writes ``summary.json`` and ``summary.md`` under ``--out``; prints the CPU model with them.
 """
@@ -23,14 +25,17 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import httpx
 
 from deepinfer.bench.client import ClientConfig, run_workload
 from deepinfer.bench.metrics import summarize
+from deepinfer.bench.sessions import Workload
 from deepinfer.bench.workloads import agent_loop, multi_turn_chat
 from deepinfer.hardware import lscpu_model
+from router_report import aggregate, markdown
 
 CONFIGS = ("single_engine_2x", "round_robin", "kv", "sglang_cache_aware")
 
@@ -77,19 +82,18 @@ def start_workers(n: int, pages: int, max_len: int, logs: Path) -> tuple[list[st
     return urls, procs
 
 
-def start_front(config: str, workers: list[str], logs: Path,
-                kv_args: list[str]) -> tuple[str, subprocess.Popen]:
+def start_front(config: str, workers: list[str], log: Path) -> tuple[str, subprocess.Popen]:
     port = free_port()
     if config == "sglang_cache_aware":
         args = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
                 "--port", str(port), "--policy", "cache_aware", "--worker-urls", *workers,
                 "--log-level", "warn"]
     else:
+        policy, extra = front_args(config)
         args = [sys.executable, "-m", "deepinfer.cli", "router", "--port", str(port),
-                "--policy", config, "--log-level", "info",  # info: its placement log
-                *[a for w in workers for a in ("--worker", w)],
-                *(kv_args if config == "kv" else [])]
-    proc = spawn(args, logs / f"{config}.log")
+                "--policy", policy, "--log-level", "info",  # info: its placement log
+                *[a for w in workers for a in ("--worker", w)], *extra]
+    proc = spawn(args, log)
     url = f"http://127.0.0.1:{port}"
     wait_ready(url, proc, "/v1/models" if config == "sglang_cache_aware" else "/health")
     return url, proc
@@ -106,15 +110,41 @@ def stop(procs: list[subprocess.Popen]) -> None:
             p.kill()
 
 
-def workloads(quick: bool) -> dict:
-    users, turns, agents, steps = (4, 3, 3, 3) if quick else (8, 4, 6, 4)
-    return {
-        "chat": multi_turn_chat(num_users=users, turns=turns, system_tokens=160,
-                                user_tokens=48, max_tokens=16),
-        "agent": agent_loop(num_agents=agents, steps=steps, num_tools=3, task_tokens=48,
-                            tool_output_tokens=64, tool_output_growth=32, max_tokens=16,
-                            tool_format="text"),
-    }
+@dataclass(frozen=True)
+class Shape:
+    """One workload's size in a mode, and the worker pool that makes routing matter for it:
+    one engine with two pools holds every session, one worker about half of them."""
+
+    sessions: int
+    turns: int
+    pages: int  # per worker (16 tokens each); the single engine has twice as many
+
+
+# Odd session counts: with an even one, strict alternation sends every turn of a session to
+# the same worker (turn t of session u is request t * n + u), which no real arrival order does.
+SHAPES = {("chat", True): Shape(7, 3, 56), ("agent", True): Shape(5, 3, 72),
+          ("chat", False): Shape(11, 4, 96), ("agent", False): Shape(7, 4, 112)}
+
+
+def workload(name: str, shape: Shape, seed: int) -> Workload:
+    """Seeded by the round: each round has new prompts, the same for every config in it."""
+    if name == "chat":
+        return multi_turn_chat(num_users=shape.sessions, turns=shape.turns, system_tokens=160,
+                               user_tokens=48, max_tokens=16, seed=seed)
+    return agent_loop(num_agents=shape.sessions, steps=shape.turns, num_tools=3,
+                      task_tokens=48, tool_output_tokens=48, tool_output_growth=24,
+                      max_tokens=16, tool_format="text", seed=seed)
+
+
+def front_args(config: str) -> tuple[str, list[str]]:
+    """``kv@evict-weight=0.5+overlap-weight=2`` -> ("kv", [--evict-weight 0.5 --overlap-weight 2])
+    (``+``: ``--configs`` is split at commas)."""
+    policy, _, opts = config.partition("@")
+    args = []
+    for kv in filter(None, opts.split("+")):
+        k, _, v = kv.partition("=")
+        args += [f"--{k}", v]
+    return policy, args
 
 
 def placements(log: Path, workers: list[str]) -> list[dict]:
@@ -131,15 +161,19 @@ def placements(log: Path, workers: list[str]) -> list[dict]:
     return out
 
 
-def run_one(config: str, wl, pages: int, max_len: int, concurrency: int, logs: Path,
-            kv_args: list[str]) -> dict:
+def run_one(config: str, wl: Workload, pages: int, max_len: int, concurrency: int,
+            logs: Path) -> dict:
     single = config == "single_engine_2x"
+    # a worker refuses a max_model_len its pool cannot hold (it keeps one page back); the same
+    # limit for both, so the single engine serves the same requests
+    max_len = min(max_len, (pages - 1) * 16)
     workers, procs = start_workers(1 if single else 2, pages * 2 if single else pages, max_len,
                                    logs)
+    front_log = logs / f"{config}.log"
     try:
         base = workers[0]
         if not single:
-            base, front = start_front(config, workers, logs, kv_args)
+            base, front = start_front(config, workers, front_log)
             procs.append(front)
         model = httpx.get(workers[0] + "/v1/models").json()["data"][0]["id"]
         cfg = ClientConfig(base_url=base, model=model, concurrency=concurrency,
@@ -148,73 +182,66 @@ def run_one(config: str, wl, pages: int, max_len: int, concurrency: int, logs: P
         records = run_workload(cfg, wl)
         total = time.perf_counter() - t0
         s = summarize(records)
-        errors = [r.error for r in records if not r.ok][:3]
-        placed = [] if single or config == "sglang_cache_aware" else placements(
-            logs / f"{config}.log", workers)
-        return {"placements": placed, "hit_rate": s["hit_rate"],
-                "ttft_p50_s": s["ttft_s"].get("p50"),
-                "ttft_p90_s": s["ttft_s"].get("p90"), "total_s": total,
+        placed = [] if single or config == "sglang_cache_aware" else placements(front_log,
+                                                                                workers)
+        return {"placements": placed, "hit_rate": s["hit_rate"], "total_s": total,
+                "ttft_s": [r.ttft_s for r in records if r.ok and r.ttft_s is not None],
                 "requests": s["num_requests"], "errors": s["num_errors"],
-                "first_errors": errors, "prompt_tokens": s["prompt_tokens"],
-                "cached_tokens": s["cached_tokens"]}
+                "first_errors": [r.error for r in records if not r.ok][:3],
+                "prompt_tokens": s["prompt_tokens"], "cached_tokens": s["cached_tokens"]}
     except RuntimeError as e:
         return {"failed": str(e)}
     finally:
         stop(procs)
 
 
-def markdown(res: dict) -> str:
-    lines = [f"CPU: {res['cpu']}; {res['note']}", ""]
-    for name, rows in res["workloads"].items():
-        lines += [f"### {name}", "", "| config | hit rate | TTFT p50 | TTFT p90 | total | errors |",
-                  "|---|---:|---:|---:|---:|---:|"]
-        for cfg, r in rows.items():
-            if "failed" in r:
-                lines.append(f"| {cfg} | failed: {r['failed']} | | | | |")
-                continue
-            p50, p90 = r["ttft_p50_s"], r["ttft_p90_s"]
-            lines.append(f"| {cfg} | {r['hit_rate']:.1%} | {p50 * 1e3:.0f} ms | "
-                         f"{p90 * 1e3:.0f} ms | {r['total_s']:.1f} s | {r['errors']} |")
-        for cfg, r in rows.items():
-            if r.get("placements"):
-                seq = " ".join(f"{'ab'[p['worker']]}{p['hit_pages']}" for p in r["placements"])
-                lines.append(f"\n{cfg} placements (worker, predicted hit pages): {seq}")
-        one, kv = rows.get("single_engine_2x", {}), rows.get("kv", {})
-        if one.get("hit_rate") and kv.get("hit_rate") is not None:
-            lines += ["", f"kv hit rate / single engine's: {kv['hit_rate'] / one['hit_rate']:.1%}"]
-        lines.append("")
-    return "\n".join(lines)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="fewer sessions and turns")
-    ap.add_argument("--pages", type=int, default=80, help="KV pages (16 tokens) per worker")
+    ap.add_argument("--quick", action="store_true", help="fewer sessions, turns and rounds")
+    ap.add_argument("--rounds", type=int, default=None, help="default: 2 quick, 3 else")
+    ap.add_argument("--pages", type=int, default=None,
+                    help="KV pages (16 tokens) per worker, all workloads (default: per workload)")
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--concurrency", type=int, default=4)
-    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--configs", default=",".join(CONFIGS),
+                    help="also kv@OPTION=VALUE+...: the kv router with those options, e.g. "
+                         "kv@evict-weight=0+overlap-weight=2")
     ap.add_argument("--workloads", default="chat,agent")
     ap.add_argument("--out", default="results/router")
-    ap.add_argument("--kv-args", default="", help="extra `deepinfer router` options of the kv "
-                                                  "row, e.g. \"--overlap-weight 2\"")
     args = ap.parse_args()
     out = Path(args.out)
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    wls = workloads(args.quick)
-    res = {"cpu": lscpu_model(), "pages_per_worker": args.pages, "quick": args.quick,
-           "concurrency": args.concurrency, "kv_args": args.kv_args, "workloads": {},
-           "note": f"2 workers x {args.pages} pages of 16 tokens, --threads 1 each; single "
-                   f"engine: {2 * args.pages} pages; client concurrency {args.concurrency}"}
-    for name in args.workloads.split(","):
-        rows = res["workloads"][name] = {}
-        for config in args.configs.split(","):
-            print(f"{name} / {config} ...", file=sys.stderr, flush=True)
-            rows[config] = run_one(config, wls[name], args.pages, args.max_model_len,
-                                   args.concurrency, logs, args.kv_args.split())
-            print(f"  {rows[config]}", file=sys.stderr, flush=True)
+    rounds = args.rounds or (2 if args.quick else 3)
+    configs, names = args.configs.split(","), args.workloads.split(",")
+    shapes = {n: SHAPES[n, args.quick] for n in names}
+    if args.pages:
+        shapes = {n: replace(sh, pages=args.pages) for n, sh in shapes.items()}
+    res = {"cpu": lscpu_model(), "quick": args.quick, "rounds": rounds,
+           "concurrency": args.concurrency,
+           "workloads": {n: {"shape": f"{sh.sessions} sessions x {sh.turns} turns",
+                             "pages": sh.pages} for n, sh in shapes.items()},
+           "note": f"2 workers, --threads 1 each; single engine: one worker with both pools; "
+                   f"client concurrency {args.concurrency}; {rounds} rounds, configs "
+                   "interleaved (each round starts at the next config), fresh workers per run",
+           "runs": {n: {c: [] for c in configs} for n in names}}
+    for r in range(rounds):
+        for name in names:
+            wl = workload(name, shapes[name], seed=r)
+            for config in configs[r % len(configs):] + configs[:r % len(configs)]:
+                print(f"round {r} / {name} / {config} ...", file=sys.stderr, flush=True)
+                run = run_one(config, wl, shapes[name].pages, args.max_model_len,
+                              args.concurrency, logs)
+                res["runs"][name][config].append(run)
+                print("  " + json.dumps({k: v for k, v in run.items()
+                                         if k not in ("placements", "ttft_s")}),
+                      file=sys.stderr, flush=True)
+            (out / "summary.json").write_text(json.dumps(res, indent=1))
+    aggs = {n: {c: aggregate(rs) for c, rs in rows.items()} for n, rows in res["runs"].items()}
+    res["aggregates"] = {n: {c: {k: v for k, v in a.items() if k != "ttft_s"}
+                             for c, a in rows.items()} for n, rows in aggs.items()}
     (out / "summary.json").write_text(json.dumps(res, indent=1))
-    md = markdown(res)
+    md = markdown(res, aggs)
     (out / "summary.md").write_text(md)
     print(md)
 

@@ -10,8 +10,10 @@ sharing a new prefix together. A worker whose device cache is nearly full pays f
 the request would push out of it (``evict_weight`` each): the pages it adds (prompt +
 max_tokens, less its hit) beyond the free ones, free being the pool's size (from the worker's
 snapshot) less the pages its events say it holds and those pending there; what a full worker
-evicts is what its next turns would have hit. Ties go to the less loaded worker, then in turn,
-so equal cold requests spread out. ``least_load`` uses the load alone (a PD decode worker too).
+evicts is what its next turns would have hit. Ties go to the worker holding more of the prompt
+(the same wait, fewer pages computed: a conversation's turn stays with its cache where the load
+balances it out exactly), then to the less loaded, then in turn, so equal cold requests spread
+out. ``least_load`` uses the load alone (a PD decode worker too).
 """
 
 from __future__ import annotations
@@ -103,7 +105,8 @@ class Policy:
             best = min(order, key=lambda w: (busy(w.load, self.weights), w.active_pages))
         else:
             costs = {w.url: self.cost(w, prompt, overlaps[w.url]) for w in order}
-            best = min(order, key=lambda w: costs[w.url])
+            best = min(order, key=lambda w: (costs[w.url][0], -overlaps[w.url].pages,
+                                             costs[w.url][1]))
             return Choice(best, overlaps[best.url], best.page_size,
                           {u: c for u, (c, _) in costs.items()})
         return Choice(best, overlaps[best.url], best.page_size)

@@ -222,3 +222,22 @@ def test_pending_pages_take_free_room_until_their_events_arrive():
     idx.apply("a", [{"type": "stored", "tier": "device",
                      "hashes": _hex(p1.page_hashes("model-x", PS))}])
     assert kv.free_pages(a) == 3 and kv.pick([a, b], p2).worker is b
+
+
+def test_a_tie_goes_to_the_worker_holding_more_of_the_prompt():
+    """A conversation's turn of 16 pages: a holds its first 12 pages and has 5 queued (cost
+    4 + 5 = 9), b holds the 9-page system prompt only and has 2 queued (7 + 2 = 9), as in the
+    benchmark's placement log. The same wait; a computes 3 pages fewer: a (the less loaded b
+    before)."""
+    tokens = list(range(64))
+    h = chain_hashes(tokens[:63], PS, ROOT)
+    idx = PrefixIndex()
+    a, b = _worker("a"), _worker("b")
+    idx.reset("a", {"device": _hex(h[:12])})
+    idx.reset("b", {"device": _hex(h[:9])})
+    a.prefill_pages, b.prefill_pages = 5, 2
+    c = Policy("kv", idx, CostWeights(evict_weight=0.0)).pick([a, b], _prompt(tokens))
+    assert (c.worker.url, c.costs, c.overlap.pages) == ("a", {"a": 9.0, "b": 9.0}, 12)
+    b.prefill_pages = 1  # b's cost 8 now: the cost decides, not the tie-break
+    assert Policy("kv", idx, CostWeights(evict_weight=0.0)).pick([a, b], _prompt(tokens)
+                                                                 ).worker is b
