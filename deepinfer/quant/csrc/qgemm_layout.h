@@ -23,6 +23,14 @@ constexpr int ROWS = 8;  // output rows per block: one fp32 register
 template <int BITS>
 constexpr int64_t block_bytes() { return ROWS * GROUP * BITS / 8; }  // per block and group
 
+// Column of a group of x that activation byte i of the VNNI byte path holds: the column order of
+// the packed bytes' 32-bit lanes (int8 codes: columns 4c + 0, 2, 1, 3 in chunk c; int4: 8c + 0, 4,
+// 1, 5 in its low nibbles, then 8c + 2, 6, 3, 7 in its high ones).
+inline int byte_order(int64_t bits, int i) {
+  constexpr int IN8[4] = {0, 2, 1, 3}, IN4[4] = {0, 4, 1, 5};
+  return bits == 8 ? (i & ~3) + IN8[i & 3] : (i & ~7) + 2 * ((i >> 2) & 1) + IN4[i & 3];
+}
+
 // Code of row r, column j of a block's group (the layout above).
 template <int BITS>
 inline int32_t code(const uint8_t* q, int r, int j) {
