@@ -222,7 +222,7 @@ def main() -> None:
         elif args.decode:
             decode_vnni(args.threads, 1 if args.quick else args.rounds, 8 if args.quick else args.tokens)
         else:
-            per_call_vnni(shapes, args.rounds, args.reps)
+            per_call_vnni(shapes, args.rounds, max(args.reps, 50))  # calls of ~20 us: many per timing
         return
     if args.decode:
         print(f"CPU: {lscpu_model()}, {args.threads} thread(s), best of {args.rounds} alternating rounds")
