@@ -11,8 +11,12 @@ the kernel at every M (the layer itself switches to ``dequant`` above ``NATIVE_M
 engines run alternately round by round in one process. ``--profile``: where a batch-1 decode step
 of the GGUF with int4 weights and the native kernel goes, op by op (torch profiler, self CPU time).
 ``--bandwidth``: the native kernel's time per call and the weight bytes it reads per second.
+``--vnni``: in a build with AVX-512 VNNI code, that code vs the AVX2 loop of the same build
+(``native_linear(vnni=False)``), interleaved: per call, and with ``--decode`` decode tok/s at
+batch 1 / 8 / 32 (the engine's layers switched to the AVX2 loop for the other side's rounds),
+tinygemm's int4 alongside.
 
-    python benchmarks/quant_kernels.py [--threads 1] [--rounds 5] [--quick] [--decode | --profile | --bandwidth]
+    python benchmarks/quant_kernels.py [--threads 1] [--rounds 5] [--quick] [--decode | --profile | --bandwidth] [--vnni]
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import deepinfer  # noqa: F401  (first: sets the OpenMP wait policy before torch
 
 import argparse
 import time
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -34,12 +39,12 @@ from deepinfer.quant.packed import pack_weight
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]  # qkv, o, gate|up, down, head
 
 
-def per_call(fn, reps: int) -> float:
+def per_call(fn, reps: int, clock=time.perf_counter) -> float:
     fn()
-    t0 = time.perf_counter()
+    t0 = clock()
     for _ in range(reps):
         fn()
-    return (time.perf_counter() - t0) / reps
+    return (clock() - t0) / reps
 
 
 def candidates(w: torch.Tensor) -> dict:
@@ -84,6 +89,73 @@ def decode(threads: int, rounds: int, tokens: int) -> None:
     print("| scheme kernel | batch-1 decode tok/s |\n|---|---:|")
     for name, rate in best.items():
         print(f"| {name} | {rate:.1f} |")
+
+
+@contextmanager
+def avx2_loop(on: bool):
+    """The quantized layers run the AVX2 integer loop instead of the VNNI code while inside."""
+    import deepinfer.quant.linear as layers
+
+    vnni = layers.native_linear
+    if on:
+        layers.native_linear = lambda *args: vnni(*args, vnni=False)
+    try:
+        yield
+    finally:
+        layers.native_linear = vnni
+
+
+def decode_vnni(threads: int, rounds: int, tokens: int) -> None:
+    """Decode tok/s at batch 1 / 8 / 32 of the VNNI code vs the AVX2 loop (native, native-int8;
+    tinygemm's int4 too), all sides alternating round by round in one process."""
+    from deepinfer.llm import LLM
+    from deepinfer.sampling_params import SamplingParams
+
+    variants = [(s, k) for s in ("int8", "int4") for k in ("native", "native-int8")] + [("int4", "tinygemm")]
+    engines = {(s, k): LLM(None, quantization=s, quantization_kernel=k, threads=threads, kv_cache_memory_gb=0.3,
+                           progress=False, host_cache_gb=0, enable_disk_cache=False, enable_prefix_cache=False)
+               for s, k in variants}
+    first = next(iter(engines.values())).engine
+    print(f"model dtype {first.runner.dtype}; plans: "
+          + "; ".join(f"{s} {k}: {llm.engine.runner.quant_plan.describe()}" for (s, k), llm in engines.items()))
+    params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
+    sides = [(v, code) for v in variants for code in (("vnni", "avx2") if v[1] != "tinygemm" else ("-",))]
+    print("| scheme | kernel | batch | VNNI tok/s | AVX2 loop tok/s | VNNI / AVX2 |\n|---|---|---:|---:|---:|---:|")
+    for batch in (1, 8, 32):
+        prompts = [[1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 28 + i] for i in range(batch)]
+        best = dict.fromkeys(sides, 0.0)
+        for _ in range(rounds):
+            for (v, code) in sides:
+                with avx2_loop(code == "avx2"):
+                    engines[v].generate(prompts, SamplingParams(max_tokens=2, temperature=0))  # warm
+                    t0 = time.perf_counter()
+                    outs = engines[v].generate(prompts, params)
+                    rate = sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t0)
+                best[v, code] = max(best[v, code], rate)
+        for v in variants:
+            if v[1] == "tinygemm":
+                print(f"| {v[0]} | tinygemm | {batch} | {best[v, '-']:.1f} | | |")
+            else:
+                a, b = best[v, "vnni"], best[v, "avx2"]
+                print(f"| {v[0]} | {v[1]} | {batch} | {a:.1f} | {b:.1f} | {a / b:.2f}x |")
+
+
+def per_call_vnni(shapes: list[tuple[int, int]], rounds: int, reps: int) -> None:
+    """Per call, thread CPU time: the AVX2 loop's time / the VNNI code's, int16 and int8 activations."""
+    print("| weight | scheme | M | int16: AVX2 / VNNI | int8 (native-int8): AVX2 / VNNI |\n|---|---|---:|---:|---:|")
+    for n, k in shapes:
+        w = torch.randn(n, k) / k ** 0.5
+        for scheme in ("int8", "int4"):
+            q = pack_weight(quantize_weight(w, QuantPlan(scheme, "native")))
+            for m in (1, 8, 32):
+                x = torch.randn(m, k)
+                fns = {(a, v): (lambda a=a, v=v: native_linear(x, q, None, a, v)) for a in (16, 8) for v in (False, True)}
+                best = dict.fromkeys(fns, float("inf"))
+                for _ in range(rounds):
+                    for key, fn in fns.items():
+                        best[key] = min(best[key], per_call(fn, reps, time.thread_time))
+                print(f"| {n}x{k} | {scheme} | {m} | {best[16, False] / best[16, True]:.2f}x | "
+                      f"{best[8, False] / best[8, True]:.2f}x |")
 
 
 def profile(threads: int, tokens: int) -> None:
@@ -133,6 +205,7 @@ def main() -> None:
     ap.add_argument("--decode", action="store_true", help="batch-1 decode tok/s per native variant instead")
     ap.add_argument("--profile", action="store_true", help="where a batch-1 int4 decode step goes, op by op")
     ap.add_argument("--bandwidth", action="store_true", help="native kernel time per call and weight GB/s")
+    ap.add_argument("--vnni", action="store_true", help="the VNNI code vs the AVX2 loop (per call; with --decode, tok/s)")
     ap.add_argument("--tokens", type=int, default=64, help="--decode / --profile: tokens per round")
     args = ap.parse_args()
     shapes = SHAPES[:1] if args.quick else SHAPES
@@ -141,6 +214,16 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     if not native_kernel().loaded:
         print(f"native kernel: {native_kernel().error}")
+    if args.vnni:
+        print(f"CPU: {lscpu_model()}, kernel {native_kernel().isa}, {args.threads} thread(s), "
+              f"best of {args.rounds} alternating rounds")
+        if native_kernel().isa != "avx512-vnni":
+            print("no AVX-512 VNNI code in this build: nothing to compare")
+        elif args.decode:
+            decode_vnni(args.threads, 1 if args.quick else args.rounds, 8 if args.quick else args.tokens)
+        else:
+            per_call_vnni(shapes, args.rounds, max(args.reps, 50))  # calls of ~20 us: many per timing
+        return
     if args.decode:
         print(f"CPU: {lscpu_model()}, {args.threads} thread(s), best of {args.rounds} alternating rounds")
         decode(args.threads, 1 if args.quick else args.rounds, 8 if args.quick else args.tokens)

@@ -69,8 +69,10 @@ def build_root() -> Path:
 
 
 def build_name(stem: str, source: Path, flags: list[str]) -> str:
-    """``stem`` plus a key of everything the built library depends on (the source's path too)."""
-    key = hashlib.sha256(source.read_bytes() + str(source.resolve()).encode()
+    """``stem`` plus a key of everything the built library depends on (the source's path too, and
+    the text of the headers next to it: the ones a source includes are kept in its folder)."""
+    headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
+    key = hashlib.sha256(source.read_bytes() + headers + str(source.resolve()).encode()
                          + " ".join(flags).encode() + torch.__version__.encode() + sys.version.encode())
     return f"{stem}_{key.hexdigest()[:16]}"
 

@@ -59,6 +59,16 @@ def test_name_changes_with_the_source(tmp_path):
     assert native_build.build_name("x", a, flags) != native_build.build_name("x", same, flags)
 
 
+def test_name_changes_with_a_header_next_to_the_source(tmp_path):
+    source, flags = _probe(tmp_path, "h"), native_build.compiler_flags()
+    alone = native_build.build_name("x", source, flags)
+    header = tmp_path / "layout.h"
+    header.write_text("constexpr int ROWS = 8;\n")
+    with_header = native_build.build_name("x", source, flags)
+    header.write_text("constexpr int ROWS = 16;\n")
+    assert len({alone, with_header, native_build.build_name("x", source, flags)}) == 3
+
+
 def test_disabled_by_env(tmp_path, monkeypatch):
     monkeypatch.setenv(native_build.DISABLE_ENV, "1")
     result = native_build.build_extension("probe", _probe(tmp_path, "off"), lambda: "never asked")

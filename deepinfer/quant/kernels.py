@@ -19,7 +19,8 @@ Candidates (``benchmarks/quant_kernels.py`` times them against fp32 ``F.linear``
   outlier channels of LLM activations make that lossy (README: SmolLM2's teacher-forced
   argmax agreement with fp32 collapses). So it is opt-in (``--quantization-kernel fbgemm``), never auto.
 - ``tinygemm``: ``aten._weight_int4pack_mm_for_cpu``, group-wise int4 weights with bf16
-  activations; auto on CPUs with native bf16 matmul when the model runs in bf16. Where bf16 is
+  activations; auto on CPUs with AMX bf16 when the model runs in bf16 (not on AVX512-BF16 alone,
+  where ``native`` beat it: README). Where bf16 is
   emulated (AVX2) it was slower than fp32; with fp32 activations (and likewise
   ``aten._weight_int8pack_mm``) many times slower, so never used that way.
 - ``dequant``: de-quantize the weight into the activation dtype at each call, then ``F.linear``.
@@ -87,7 +88,10 @@ def plan_quantization(scheme: str, kernel: str, device: torch.device, dtype: tor
         return QuantPlan("int8", "dequant", f"no fbgemm int8 kernel on this {device.type}; "
                                             "de-quantizing per matmul instead")
     tinygemm_ok = cpu and has_tinygemm_cpu() and dtype == torch.bfloat16
-    if scheme == "int4" and tinygemm_ok and (kernel == "tinygemm" or kernel == "auto" and cpu_isa().native_bf16):
+    # auto only with AMX: on AVX512-BF16 alone (Zen 4) the native kernel was faster per call, and
+    # under tinygemm the int8 layers (a GGUF's Q8_0 LM head) de-quantize per matmul
+    amx = "amx_bf16" in cpu_isa().bf16_flags
+    if scheme == "int4" and tinygemm_ok and (kernel == "tinygemm" or kernel == "auto" and amx):
         return QuantPlan("int4", "tinygemm")
     if kernel == "tinygemm":
         return QuantPlan("int4", "dequant", "tinygemm needs a CPU and --dtype bfloat16; "

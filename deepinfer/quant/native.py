@@ -34,9 +34,13 @@ def native_kernel() -> NativeExtension:
     return build_extension(STEM, SOURCE, lambda: torch.ops.deepinfer_quant.isa())
 
 
-def native_linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None, act_bits: int) -> torch.Tensor:
+def native_linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None, act_bits: int,
+                  vnni: bool = True) -> torch.Tensor:
     """``x[M, K] @ W.T + bias`` in fp32, ``W`` packed by ``pack_weight``.
     ``act_bits`` 16 or 8: each block of 32 values of a row of ``x`` is rounded first to int16 /
     int8 codes (``round(x * L / max|x|)``, ``L`` = 32767 or 127, one scale per block), then dotted
-    exactly with the weight codes; 32: the codes are widened to fp32 and ``x`` is kept as it is."""
-    return torch.ops.deepinfer_quant.linear(x, w.codes, w.scale, w.offset, bias, w.out_features, w.bits, act_bits)
+    exactly with the weight codes; 32: the codes are widened to fp32 and ``x`` is kept as it is.
+    ``vnni=False`` runs the AVX2 integer loop even in an AVX-512 VNNI build (the same bits: tests
+    and benchmarks compare the two in one process); builds without VNNI ignore it."""
+    return torch.ops.deepinfer_quant.linear(x, w.codes, w.scale, w.offset, bias, w.out_features, w.bits, act_bits,
+                                            vnni)

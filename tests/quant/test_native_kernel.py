@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from deepinfer.native_build import compiler_flags
 from deepinfer.quant import native
 from deepinfer.quant.kernels import NATIVE_ACT_BITS, QuantPlan, plan_quantization
 from deepinfer.quant.linear import NATIVE_MAX_ROWS, QuantizedLinear, quantize_model
@@ -120,6 +121,37 @@ def test_integer_activations_error_is_the_rounding_of_x(kernel, threads, act_bit
     bound = rounding @ w.dequantize(torch.float32).abs().T
     assert ((y - exact).abs() <= bound * 1.001 + 1e-6).all()
     assert not torch.equal(y, exact)
+
+
+def test_isa_is_the_best_code_the_build_flags_allow(kernel):
+    """AVX-512 VNNI code wherever native_build passes its flags (torch on AVX-512, the CPU listing
+    F/BW/VL/DQ and VNNI), AVX2 wherever it passes -mavx2, else scalar."""
+    flags = compiler_flags()
+    expected = "avx512-vnni" if "-mavx512vnni" in flags and "-mavx512vl" in flags else (
+        "avx2" if "-mavx2" in flags else "scalar")
+    assert kernel.isa == expected
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("n,k", [(80, 96), (33, 160), (1200, 576)])
+@pytest.mark.parametrize("act_bits", [16, 8])
+def test_vnni_code_gives_the_avx2_loops_bits(kernel, threads, fmt, n, k, act_bits):
+    """vpdpwssd (int16 codes) and vpdpbusd (int8 codes as bytes) take the same exact integer dots
+    as the AVX2 vpmaddwd loop, and the per-group FMAs run in the same order: equal bit for bit,
+    extreme codes (int8 -128, activations +-127 / +-32767) included."""
+    if kernel.isa != "avx512-vnni":
+        pytest.skip(f"no AVX-512 VNNI code in this build ({kernel.isa})")
+    threads(2)
+    torch.manual_seed(n + k)
+    w = pack_weight(FORMATS[fmt](torch.randn(n, k) / k ** 0.5))
+    x = torch.randn(17, k) * torch.rand(k) * 4
+    x[1] = -x[1].abs().max()  # every code at the limit
+    x[2, :32] = 0
+    for m in (1, 2, 3, 4, 17):
+        assert torch.equal(native_linear(x[:m], w, None, act_bits), native_linear(x[:m], w, None, act_bits, vnni=False))
+    extreme = pack_weight(quantize_int8(torch.cat([-torch.ones(1, k), torch.linspace(-1, 1, k)[None]])))
+    assert torch.equal(native_linear(x[:3], extreme, None, act_bits),
+                       native_linear(x[:3], extreme, None, act_bits, vnni=False))
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])

@@ -77,6 +77,21 @@ def test_plans():
         plan_quantization("int3", "auto", CPU, torch.float32)
 
 
+@pytest.mark.parametrize("bf16_flags,expected", [(("avx512_bf16",), "native"), (("amx_bf16", "avx512_bf16"), "tinygemm")])
+def test_auto_int4_in_bf16_takes_tinygemm_only_with_amx(monkeypatch, bf16_flags, expected):
+    from deepinfer.hardware import CpuIsa
+    from deepinfer.quant import kernels
+    from deepinfer.quant.native import native_kernel
+    from native_helpers import loaded
+
+    loaded(native_kernel())
+    if not kernels.has_tinygemm_cpu():
+        pytest.skip("this torch has no tinygemm CPU kernel")
+    monkeypatch.setattr(kernels, "cpu_isa", lambda: CpuIsa("test CPU", "AVX512", bf16_flags))
+    assert plan_quantization("int4", "auto", CPU, torch.bfloat16) == QuantPlan("int4", expected)
+    assert plan_quantization("int4", "auto", CPU, torch.float32) == QuantPlan("int4", "native")
+
+
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 def test_engine_quantizes_every_linear_layer_and_runs(tiny_llama, scheme):
     from deepinfer.llm import LLM

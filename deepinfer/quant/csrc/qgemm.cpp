@@ -1,17 +1,7 @@
 // Weight-only quantized matmul for the CPU: y[M, N] = x[M, K] @ W[N, K]^T (+ bias), x and y fp32.
 //
-// W is held in groups of 32 columns: w[n, k] = q[n, k] * scale[n, g] + offset[n, g], g = k / 32,
-// with int8 codes or 4-bit codes 0..15, repacked once at load (quant/native.py's pack_weight) so
-// that one 256-bit register holds 8 output rows at once:
-// - the rows are taken 8 at a time (a "block"; N padded with zero rows to a multiple of 8);
-// - per block and group, the 8 x 32 codes are laid out as 16 column pairs p (columns 2p, 2p + 1),
-//   each pair a vector of 16 int16 lanes [row 0 col 2p, row 0 col 2p+1, row 1 col 2p, ...], so one
-//   _mm256_madd_epi16 against the activation pair broadcast gives 8 rows' partial dots in 8 int32
-//   lanes, and a group's 16 pairs sum into the 8 rows' exact integer dots without any horizontal sum;
-// - int8: 8 chunks of 32 bytes, int16 lane l of chunk c holding pair 2c in its low byte and pair
-//   2c + 1 in its high one (two shifts widen them); int4: 4 chunks of 32 bytes, lane l of chunk c
-//   holding pairs 4c .. 4c + 3 in its 4 nibbles, low first (a shift and a mask each);
-// - scale and offset as [blocks, groups, 8] floats: one load per block and group.
+// W is held in groups of 32 columns, repacked once at load 8 output rows together: the layout
+// is qgemm_layout.h's.
 //
 //   y[m, n] = bias[n] + sum_g (scale[n, g] * d[m, g] * (q[n, g, :] . xq[m, g, :]) + offset[n, g] * xsum[m, g])
 //
@@ -25,7 +15,12 @@
 // the number of rows M (rows of x are taken MT at a time over a block that stays in L1, so the
 // weights are read from memory once per call). Built by deepinfer/native_build.py with AVX2+FMA
 // where torch runs AVX2, else as portable scalar code (the same integer dots and the same order
-// of the per-group FMAs; the float path's in-group sums may round differently).
+// of the per-group FMAs; the float path's in-group sums may round differently). Where the build
+// has AVX-512 VNNI (with VL: 256-bit forms, the same registers and layout), the int16 loop fuses
+// its multiply-add and add into vpdpwssd, and act_bits 8 takes its codes as bytes, 4 products per
+// vpdpbusd (u8 x s8: int4 codes are the unsigned side; int8 codes meet x + 128, less 128 x the
+// codes' sum, as llama.cpp does); the integer dots are exact either way, so the results are the
+// AVX2 loop's bit for bit (vnni=false runs that loop in such a build, to compare them).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -35,34 +30,41 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <vector>
+
+#include "qgemm_layout.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define DEEPINFER_AVX2 1
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define DEEPINFER_VNNI 1  // 256-bit vpdpwssd / vpdpbusd: the same registers, fused multiply-add-to-int32
+#endif
 #endif
 
 namespace {
 
-constexpr int64_t GROUP = 32;
-constexpr int ROWS = 8;    // output rows per block: one fp32 register
 constexpr int MAX_MT = 4;  // activation rows per pass over a block
 
-template <int BITS>
-constexpr int64_t block_bytes() { return ROWS * GROUP * BITS / 8; }  // per block and group
+// How a call's dots are taken: fp32 activations; integer codes widened to int16 (vpmaddwd, or
+// vpdpwssd with VNNI); int8 activation codes as bytes against the packed bytes (vpdpbusd, VNNI only).
+enum class Path { floats, int16, int16_vnni, bytes_vnni };
 
-// The activations of one call, rows of stride K: x itself, or its int16 codes q and block
-// scales d [m, g]; xsum [m, g] is the offset's factor (null: symmetric weights).
+// The activations of one call, rows of stride K: x itself, or its int16 codes q (bytes b: the
+// same codes in byte_order, for Path::bytes_vnni) and block scales d [m, g]; xsum [m, g] is the
+// offset's factor (null: symmetric weights).
 struct Rows {
   const float* x;
   const int16_t* q;
+  const uint8_t* b;
   const float* d;
   const float* xsum;
   int64_t K;
   Rows at(int64_t m) const {
     const int64_t groups = K / GROUP;
-    return {x + m * K, q == nullptr ? nullptr : q + m * K, d == nullptr ? nullptr : d + m * groups,
-            xsum == nullptr ? nullptr : xsum + m * groups, K};
+    return {x + m * K, q == nullptr ? nullptr : q + m * K, b == nullptr ? nullptr : b + m * K,
+            d == nullptr ? nullptr : d + m * groups, xsum == nullptr ? nullptr : xsum + m * groups, K};
   }
 };
 
@@ -90,18 +92,6 @@ int32_t quantize_block(const float* x, int16_t* q, float* d, float L) {
   return sum;
 }
 
-// Code of row r, column j of a block's group (the layout above).
-template <int BITS>
-inline int32_t code(const uint8_t* q, int r, int j) {
-  const int p = j / 2, lane = 2 * r + j % 2;
-  if constexpr (BITS == 8) {
-    return static_cast<int8_t>(q[32 * (p / 2) + 2 * lane + p % 2]);
-  } else {
-    const int s = p % 4;
-    return (q[32 * (p / 4) + 2 * lane + s / 2] >> (4 * (s % 2))) & 0x0F;
-  }
-}
-
 #ifdef DEEPINFER_AVX2
 
 // Pair p of a block's group as 16 int16 lanes (see the layout above); chunk = the 32 bytes holding it.
@@ -122,17 +112,25 @@ inline __m256i pair_of(const int16_t* x) {  // x[0], x[1] in every 32-bit lane
   return _mm256_set1_epi32(v);
 }
 
-// acc[m] += per-group terms of one block for MT rows of integer activations.
-template <int BITS, int MT>
-inline void group_int(const Rows& a, const Packed& w, const uint8_t* q, int64_t g, __m256 acc[MT]) {
+// dot[m] + odd[m] = the exact integer dots of one block's group with MT rows of int16 activation
+// codes (VNNI: odd pairs into odd[m], two chains, as a fused multiply-add waits on its sum).
+template <int BITS, int MT, bool VNNI>
+inline void dots_int16(const Rows& a, const uint8_t* q, int64_t g, __m256i dot[MT], __m256i odd[MT]) {
   constexpr int PER_CHUNK = BITS == 8 ? 2 : 4;
-  __m256i dot[MT];
-  for (int m = 0; m < MT; ++m) dot[m] = _mm256_setzero_si256();
   for (int c = 0; c < 16 / PER_CHUNK; ++c) {
     const __m256i chunk = load(q + 32 * c);
     auto step = [&](__m256i wp, int p) {
-      for (int m = 0; m < MT; ++m)
-        dot[m] = _mm256_add_epi32(dot[m], _mm256_madd_epi16(wp, pair_of(a.q + m * a.K + g * GROUP + 2 * p)));
+      for (int m = 0; m < MT; ++m) {
+        const __m256i xp = pair_of(a.q + m * a.K + g * GROUP + 2 * p);
+#ifdef DEEPINFER_VNNI
+        if constexpr (VNNI) {
+          __m256i& sum = p % 2 ? odd[m] : dot[m];
+          sum = _mm256_dpwssd_epi32(sum, wp, xp);
+          continue;
+        }
+#endif
+        dot[m] = _mm256_add_epi32(dot[m], _mm256_madd_epi16(wp, xp));
+      }
     };
     step(pair_codes<BITS, 0>(chunk), PER_CHUNK * c);
     step(pair_codes<BITS, 1>(chunk), PER_CHUNK * c + 1);
@@ -141,6 +139,58 @@ inline void group_int(const Rows& a, const Packed& w, const uint8_t* q, int64_t 
       step(pair_codes<BITS, 3>(chunk), PER_CHUNK * c + 3);
     }
   }
+}
+
+#ifdef DEEPINFER_VNNI
+// The same dots from int8 activation codes as bytes: each 32-bit lane of a chunk holds 4 columns
+// of one row (int8: the chunk's two pairs; int4: its low or its high nibbles), so one vpdpbusd
+// adds 4 products per row against 4 activation bytes broadcast in that column order (byte_order).
+template <int BITS, int MT>
+inline void dots_bytes(const Rows& a, const uint8_t* q, int64_t g, __m256i dot[MT], __m256i odd[MT]) {
+  auto quad = [&](int m, int i) {
+    int32_t v;
+    std::memcpy(&v, a.b + m * a.K + g * GROUP + 4 * i, sizeof v);
+    return _mm256_set1_epi32(v);
+  };
+  if constexpr (BITS == 4) {  // the codes 0..15 are the unsigned operand, the activations signed
+    const __m256i mask = _mm256_set1_epi8(0x0F);
+    for (int c = 0; c < 4; ++c) {
+      const __m256i chunk = load(q + 32 * c);
+      const __m256i lo = _mm256_and_si256(chunk, mask), hi = _mm256_and_si256(_mm256_srli_epi16(chunk, 4), mask);
+      for (int m = 0; m < MT; ++m) {
+        dot[m] = _mm256_dpbusd_epi32(dot[m], lo, quad(m, 2 * c));
+        odd[m] = _mm256_dpbusd_epi32(odd[m], hi, quad(m, 2 * c + 1));
+      }
+    }
+  } else {  // signed codes: the activations + 128 are the unsigned operand, less 128 x the codes' sum
+    const __m256i ones = _mm256_set1_epi8(1);
+    __m256i sum = _mm256_setzero_si256();
+    for (int c = 0; c < 8; ++c) {
+      const __m256i chunk = load(q + 32 * c);
+      sum = _mm256_dpbusd_epi32(sum, ones, chunk);
+      for (int m = 0; m < MT; ++m) {
+        __m256i& acc = c % 2 ? odd[m] : dot[m];
+        acc = _mm256_dpbusd_epi32(acc, quad(m, c), chunk);
+      }
+    }
+    sum = _mm256_slli_epi32(sum, 7);
+    for (int m = 0; m < MT; ++m) dot[m] = _mm256_sub_epi32(dot[m], sum);
+  }
+}
+#endif
+
+// acc[m] += per-group terms of one block for MT rows of integer activations.
+template <int BITS, int MT, Path P>
+inline void group_int(const Rows& a, const Packed& w, const uint8_t* q, int64_t g, __m256 acc[MT]) {
+  __m256i dot[MT], odd[MT];
+  for (int m = 0; m < MT; ++m) dot[m] = odd[m] = _mm256_setzero_si256();
+#ifdef DEEPINFER_VNNI
+  if constexpr (P == Path::bytes_vnni) dots_bytes<BITS, MT>(a, q, g, dot, odd);
+  else
+#endif
+    dots_int16<BITS, MT, P == Path::int16_vnni>(a, q, g, dot, odd);
+  if constexpr (P != Path::int16)
+    for (int m = 0; m < MT; ++m) dot[m] = _mm256_add_epi32(dot[m], odd[m]);
   const __m256 s = _mm256_loadu_ps(w.scale + g * ROWS);
   for (int m = 0; m < MT; ++m) {
     const int64_t mg = m * w.groups + g;
@@ -189,14 +239,14 @@ inline void group_float(const Rows& a, const Packed& w, const uint8_t* q, int64_
 }
 
 // y rows m0 .. m0 + MT of one block of 8 output rows (n0 .. n0 + valid).
-template <int BITS, int MT, bool FLOAT>
+template <int BITS, int MT, Path P>
 void block_tile(const Rows& a, const Packed& w, int64_t N, int64_t n0, int valid, float* y) {
   __m256 acc[MT];
   for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
   for (int64_t g = 0; g < w.groups; ++g) {
     const uint8_t* q = w.codes + g * block_bytes<BITS>();
-    if constexpr (FLOAT) group_float<BITS, MT>(a, w, q, g, acc);
-    else group_int<BITS, MT>(a, w, q, g, acc);
+    if constexpr (P == Path::floats) group_float<BITS, MT>(a, w, q, g, acc);
+    else group_int<BITS, MT, P>(a, w, q, g, acc);
   }
   for (int m = 0; m < MT; ++m) {
     alignas(32) float out[ROWS];
@@ -207,7 +257,7 @@ void block_tile(const Rows& a, const Packed& w, int64_t N, int64_t n0, int valid
 
 #else  // portable scalar code
 
-template <int BITS, int MT, bool FLOAT>
+template <int BITS, int MT, Path P>
 void block_tile(const Rows& a, const Packed& w, int64_t N, int64_t n0, int valid, float* y) {
   for (int m = 0; m < MT; ++m) {
     for (int r = 0; r < valid; ++r) {
@@ -216,7 +266,7 @@ void block_tile(const Rows& a, const Packed& w, int64_t N, int64_t n0, int valid
         const uint8_t* q = w.codes + g * block_bytes<BITS>();
         const int64_t mg = m * w.groups + g;
         const float s = w.scale[g * ROWS + r];
-        if constexpr (FLOAT) {
+        if constexpr (P == Path::floats) {
           float d = 0.f;
           for (int j = 0; j < GROUP; ++j) d += static_cast<float>(code<BITS>(q, r, j)) * a.x[m * a.K + g * GROUP + j];
           acc = std::fma(d, s, acc);
@@ -236,7 +286,7 @@ void block_tile(const Rows& a, const Packed& w, int64_t N, int64_t n0, int valid
 
 // Blocks b0 .. b1 for every row of x: each block's codes are read from memory once, then reused
 // from cache for the next MT rows.
-template <int BITS, bool FLOAT>
+template <int BITS, Path P>
 void blocks(const Rows& a, const Packed& w, int64_t M, int64_t N, int64_t b0, int64_t b1, float* y) {
   for (int64_t b = b0; b < b1; ++b) {
     const Packed wb{w.codes + b * w.groups * block_bytes<BITS>(), w.scale + b * w.groups * ROWS,
@@ -247,10 +297,10 @@ void blocks(const Rows& a, const Packed& w, int64_t M, int64_t N, int64_t b0, in
       const Rows am = a.at(m0);
       float* ym = y + m0 * N;
       switch (std::min<int64_t>(MAX_MT, M - m0)) {
-        case 1: block_tile<BITS, 1, FLOAT>(am, wb, N, n0, valid, ym); break;
-        case 2: block_tile<BITS, 2, FLOAT>(am, wb, N, n0, valid, ym); break;
-        case 3: block_tile<BITS, 3, FLOAT>(am, wb, N, n0, valid, ym); break;
-        default: block_tile<BITS, 4, FLOAT>(am, wb, N, n0, valid, ym); break;
+        case 1: block_tile<BITS, 1, P>(am, wb, N, n0, valid, ym); break;
+        case 2: block_tile<BITS, 2, P>(am, wb, N, n0, valid, ym); break;
+        case 3: block_tile<BITS, 3, P>(am, wb, N, n0, valid, ym); break;
+        default: block_tile<BITS, 4, P>(am, wb, N, n0, valid, ym); break;
       }
     }
   }
@@ -258,7 +308,7 @@ void blocks(const Rows& a, const Packed& w, int64_t M, int64_t N, int64_t b0, in
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                   const std::optional<at::Tensor>& offset, const std::optional<at::Tensor>& bias,
-                  int64_t out_features, int64_t bits, int64_t act_bits) {
+                  int64_t out_features, int64_t bits, int64_t act_bits, bool vnni) {
   TORCH_CHECK(bits == 8 || bits == 4, "bits must be 8 or 4, got ", bits);
   TORCH_CHECK(act_bits == 32 || act_bits == 16 || act_bits == 8, "act_bits must be 32, 16 or 8, got ", act_bits);
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(),
@@ -289,14 +339,25 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor
   const int64_t nblk = M * groups;
   std::vector<float> xsum(off != nullptr ? nblk : 0), xd;
   std::vector<int16_t> xq;
+  std::vector<uint8_t> xb;
+#ifdef DEEPINFER_VNNI
+  const Path ints = !vnni ? Path::int16 : act_bits == 8 ? Path::bytes_vnni : Path::int16_vnni;
+#else
+  const Path ints = Path::int16;  // (vnni: no such code in this build)
+#endif
+  const Path path = act_bits == 32 ? Path::floats : ints;
   if (act_bits != 32) {
     xq.resize(nblk * GROUP);
     xd.resize(nblk);
+    if (path == Path::bytes_vnni) xb.resize(nblk * GROUP);
     const float L = act_bits == 16 ? 32767.f : 127.f;
     at::parallel_for(0, nblk, 256, [&](int64_t i0, int64_t i1) {
       for (int64_t i = i0; i < i1; ++i) {
-        const int32_t sum = quantize_block(xp + i * GROUP, xq.data() + i * GROUP, &xd[i], L);
+        int16_t* q = xq.data() + i * GROUP;
+        const int32_t sum = quantize_block(xp + i * GROUP, q, &xd[i], L);
         if (off != nullptr) xsum[i] = xd[i] * static_cast<float>(sum);
+        for (int j = 0; j < (xb.empty() ? 0 : GROUP); ++j)  // int8 weights take x + 128 as unsigned
+          xb[i * GROUP + j] = static_cast<uint8_t>(q[byte_order(bits, j)] + (bits == 8 ? 128 : 0));
       }
     });
   } else if (off != nullptr) {
@@ -307,16 +368,24 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor
     }
   }
   auto data = [](auto& v) { return v.empty() ? nullptr : v.data(); };
-  const Rows a{xp, data(xq), data(xd), data(xsum), K};
+  const Rows a{xp, data(xq), data(xb), data(xd), data(xsum), K};
   const Packed w{static_cast<const uint8_t*>(codes.data_ptr()), scale.data_ptr<float>(), off, b, groups};
   float* yp = y.data_ptr<float>();
   // at least ~64K multiply-adds per task: smaller layers are not worth waking a thread for
   const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, M * K * ROWS));
   at::parallel_for(0, nblocks, grain, [&](int64_t b0, int64_t b1) {
-    if (bits == 8 && act_bits == 32) blocks<8, true>(a, w, M, N, b0, b1, yp);
-    else if (bits == 8) blocks<8, false>(a, w, M, N, b0, b1, yp);
-    else if (act_bits == 32) blocks<4, true>(a, w, M, N, b0, b1, yp);
-    else blocks<4, false>(a, w, M, N, b0, b1, yp);
+    auto run = [&](auto p) {
+      if (bits == 8) blocks<8, decltype(p)::value>(a, w, M, N, b0, b1, yp);
+      else blocks<4, decltype(p)::value>(a, w, M, N, b0, b1, yp);
+    };
+    switch (path) {
+      case Path::floats: run(std::integral_constant<Path, Path::floats>{}); break;
+#ifdef DEEPINFER_VNNI
+      case Path::int16_vnni: run(std::integral_constant<Path, Path::int16_vnni>{}); break;
+      case Path::bytes_vnni: run(std::integral_constant<Path, Path::bytes_vnni>{}); break;
+#endif
+      default: run(std::integral_constant<Path, Path::int16>{}); break;
+    }
   });
   return y;
 }
@@ -356,9 +425,11 @@ at::Tensor dequantize(const at::Tensor& codes, const at::Tensor& scale, const st
   return w;
 }
 
-// "avx2" or "scalar": which code this build holds.
+// "avx512-vnni", "avx2" or "scalar": which code this build holds.
 std::string isa() {
-#ifdef DEEPINFER_AVX2
+#if defined(DEEPINFER_VNNI)
+  return "avx512-vnni";
+#elif defined(DEEPINFER_AVX2)
   return "avx2";
 #else
   return "scalar";
@@ -369,7 +440,7 @@ std::string isa() {
 
 TORCH_LIBRARY(deepinfer_quant, m) {
   m.def("linear(Tensor x, Tensor codes, Tensor scale, Tensor? offset, Tensor? bias, int out_features, int bits, "
-        "int act_bits) -> Tensor");
+        "int act_bits, bool vnni=True) -> Tensor");
   m.def("dequantize(Tensor codes, Tensor scale, Tensor? offset, int out_features, int bits) -> Tensor");
   m.def("isa() -> str", &isa);
   m.impl("linear", c10::DispatchKey::CPU, TORCH_FN(linear));
