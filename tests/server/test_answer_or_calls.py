@@ -12,7 +12,7 @@ import random
 
 import jsonschema
 import pytest
-import torch
+from grammar_walk import random_walk as walk
 from tiny_checkpoints import make_tokenizer
 from transformers import AddedToken
 
@@ -107,24 +107,12 @@ def test_llama3_replies_are_told_apart_by_their_first_characters(reply, content,
     assert out.content == content and [(c.name, c.arguments) for c in out.calls] == calls
 
 
-def random_walk(compiler, grammar: str, tok, rng: random.Random, start: str,
-                limit: int = 3000) -> list[int]:
-    """The tokens of ``start``, then tokens drawn uniformly from what the grammar allows (EOS
-    as soon as it is), until the grammar completes; without the EOS."""
-    state = compiler.matcher(grammar)
-    out = tok.encode(start, add_special_tokens=False)
-    assert all(state.accept(t) for t in out)
-    bitmask = torch.zeros(1, -(-len(tok) // 32), dtype=torch.int32)
+def random_walk(compiler, grammar: str, tok, rng: random.Random, start: str) -> list[int]:
+    """The tokens of ``start``, then tokens the grammar allows, until it completes; without
+    the EOS."""
     eos = tok.convert_tokens_to_ids(EOS)
-    while not state.terminated:
-        assert len(out) < limit
-        bitmask.zero_()
-        state.fill(bitmask, 0)
-        bits = ((bitmask[0, :, None] >> torch.arange(32)) & 1).flatten()[:len(tok)]
-        allowed = bits.nonzero().flatten().tolist()
-        t = eos if eos in allowed else rng.choice(allowed)
-        assert state.accept(t)
-        out.append(t)
+    out = walk(compiler.matcher(grammar), len(tok), eos, rng,
+               start=tok.encode(start, add_special_tokens=False), limit=3000)
     return out[:-1] if out[-1] == eos else out
 
 
