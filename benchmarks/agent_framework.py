@@ -130,7 +130,10 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=8, help="model calls per agent run")
     ap.add_argument("--runs", type=int, default=3, help="agent runs, each from an empty cache")
     ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--quick", action="store_true", help="one run of 4 model calls")
     args = ap.parse_args()
+    if args.quick:
+        args.runs, args.steps = 1, 4
 
     from deepinfer.config import EngineConfig
     from deepinfer.engine import LLMEngine

@@ -33,8 +33,8 @@ from ..errors import RequestError
 from ..sampling_params import SamplingParams
 from .outputs import Delta, Usage
 from .cache_control import MAX_BREAKPOINTS, TTLS, CacheBreakpoint
-from .protocol import (APIError, ParsedRequest, bad, get_bool, get_int, get_num, get_str,
-                       tool_request)
+from .protocol import (APIError, ParsedRequest, bad, get_bool, get_int, get_num,
+                       get_response_format, get_str, tool_request)
 from .thinking import Thinking
 from .tools import ToolOutput
 from .tools.stream import ReplyStream
@@ -196,6 +196,22 @@ def _thinking(body: dict, max_tokens: int) -> Thinking:
     return Thinking(t["type"] != "disabled")
 
 
+def _output_format(body: dict) -> dict | None:
+    """``output_config.format`` (what the ``anthropic`` client's ``messages.parse`` sends), as
+    the OpenAI ``response_format`` that the chat path enforces."""
+    oc = body.get("output_config")
+    if oc is None:
+        return None
+    if not isinstance(oc, dict):
+        raise bad("output_config", "must be an object")
+    fmt = oc.get("format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema":
+        raise bad("output_config.format", "must be {\"type\": \"json_schema\", \"schema\": {...}}")
+    return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt.get("schema")}}
+
+
 def parse_messages_request(body: dict, defaults: dict | None = None) -> ParsedRequest:
     defaults = defaults or {}
     tools, tool_ttls = _tools(body)
@@ -228,9 +244,18 @@ def parse_messages_request(body: dict, defaults: dict | None = None) -> ParsedRe
     stop = body.get("stop_sequences") or []
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
         raise bad("stop_sequences", "must be an array of non-empty strings")
+    rf = _output_format(body)
+    if rf is not None and treq.forced:
+        raise bad("tool_choice", "a forced tool_choice cannot be combined with "
+                                 "output_config.format: the reply must be tool use")
+    try:
+        so = get_response_format({"response_format": rf})
+    except APIError as e:
+        name = (e.param or "").replace("response_format.json_schema", "output_config.format")
+        raise APIError(400, f"{name}: {e.message.split(': ', 1)[-1]}", param=name) from None
     try:
         params = SamplingParams(
-            max_tokens=max_tokens,
+            max_tokens=max_tokens, structured_output=so,
             temperature=get_num(body, "temperature", defaults.get("temperature", 1.0), 0.0, 1.0),
             top_p=get_num(body, "top_p", defaults.get("top_p", 1.0)),
             top_k=get_int(body, "top_k", defaults.get("top_k", 0)), stop=list(stop))
@@ -243,9 +268,9 @@ def parse_messages_request(body: dict, defaults: dict | None = None) -> ParsedRe
                          messages=conv.messages, stream=get_bool(body, "stream"),
                          cache_salt=salt, user=meta.get("user_id"), tools=treq,
                          tool_call_prefix="toolu_",
-                         structured_field="tool_choice" if treq.forced else "response_format",
-                         cache_breakpoints=conv.breakpoints,
-                         thinking=_thinking(body, max_tokens))
+                         structured_field="tool_choice" if treq.forced else
+                         "output_config.format", cache_breakpoints=conv.breakpoints,
+                         thinking=_thinking(body, max_tokens), response_format=rf)
 
 
 # ---------------------------------------------------------------------- response

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import logging
 import queue
 import threading
@@ -259,8 +260,8 @@ class AsyncEngine:
             built = sub.prompt or self.build_prompt(p)
             params = p.params
             if p.kind == "chat" and not params.prefill_only:  # tool calls, response_format
-                params.structured_output = self.replies.constraint(
-                    p, self.tokenizer.get_added_vocab())
+                params = dataclasses.replace(params, structured_output=self.replies.constraint(
+                    p, self.tokenizer.get_added_vocab()))  # p keeps the request's own format
             if p.max_tokens is None:  # the rest of the context
                 params.max_tokens = max(1, eng.max_model_len - len(built.token_ids))
             req = eng.add_request(built.token_ids, params, sub.request_id, p.cache_salt)

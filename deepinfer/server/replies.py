@@ -12,6 +12,7 @@ from .prompts import BuiltPrompt, PromptBuilder
 from .protocol import APIError, ParsedRequest
 from .shared_replies import SharedReplies
 from .tools import ToolCallStream, ToolOutput, ToolParser, number_calls, resolve_parser
+from .tools.answer_or_calls import AnswerOrCallsParser, answer_or_calls_grammar
 from .tools.stream import ReplyStream
 
 
@@ -43,16 +44,28 @@ class ReplyFormat:
     def constraint(self, p: ParsedRequest, added_tokens: dict[str, int]) -> StructuredOutput | None:
         """The grammar of a chat reply: with the recipe, its whole reply (DSML calls after the
         call block its prompt opens, or reasoning then a ``response_format`` answer); else the
-        parser family's call syntax when the reply must be calls, or ``response_format``."""
-        if not p.tools.forced and p.params.structured_output is None:
+        parser family's call syntax when the reply must be calls, ``response_format``, or
+        (``tool_choice`` auto with ``response_format``) either (``tools/answer_or_calls.py``)."""
+        so = p.params.structured_output
+        if not p.tools.forced and so is None:
             return None
         if self.recipe is not None:
             return self.recipe.reply_grammar(p.messages, p.tools, p.thinking, p.response_format)
-        if not p.tools.forced:
-            return p.params.structured_output
+        if not p.tools.parse_calls:
+            return so
         schema = p.tools.call_schema(self.tool_parser.ARGS_KEY)
+        if not p.tools.forced:
+            return StructuredOutput.lark(answer_or_calls_grammar(
+                self.tool_parser, so, schema, p.tools.parallel, added_tokens))
         return StructuredOutput.lark(self.tool_parser.call_grammar(schema, p.tools.parallel,
                                                                    added_tokens))
+
+    def _parser(self, p: ParsedRequest) -> ToolParser:
+        """The family's parser; with ``response_format`` (``tool_choice`` auto) the one that
+        tells its answer from its calls."""
+        if p.params.structured_output is not None and not p.tools.forced:
+            return AnswerOrCallsParser(self.tool_parser)
+        return self.tool_parser
 
     def parses(self, p: ParsedRequest) -> bool:
         """Is a chat reply split (content, reasoning, calls)? Always with the recipe."""
@@ -68,7 +81,7 @@ class ReplyFormat:
             conv = self.recipe.convert(p.messages, p.tools, p.thinking, p.params.stop,
                                        p.response_format)
             return self.recipe.parse(conv, token_ids, request_id, p.tool_call_prefix, limit)
-        out = self.tool_parser.parse(text)
+        out = self._parser(p).parse(text)
         out.calls = number_calls(out.calls, request_id, p.tool_call_prefix, limit)
         return out
 
@@ -81,4 +94,4 @@ class ReplyFormat:
             conv = self.recipe.convert(p.messages, p.tools, p.thinking, p.params.stop,
                                        p.response_format)
             return self.recipe.reply_stream(conv, request_id, p.tool_call_prefix, limit)
-        return ToolCallStream(self.tool_parser, request_id, p.tool_call_prefix, limit)
+        return ToolCallStream(self._parser(p), request_id, p.tool_call_prefix, limit)

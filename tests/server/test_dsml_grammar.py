@@ -11,8 +11,8 @@ import random
 import deepseek_recipe as dr
 import jsonschema
 import pytest
-import torch
 from deepseek_tiny import EOS, make_v4_checkpoint
+from grammar_walk import random_walk as walk
 from transformers import AutoTokenizer
 
 from deepinfer.errors import RequestError
@@ -91,23 +91,10 @@ def test_the_recipes_rendering_of_calls_is_accepted(ckpt, tok, compiler, version
 
 
 def random_walk(compiler, grammar, tok, rng, markers: list[int], limit=4000) -> list[int]:
-    """Tokens drawn uniformly from what the grammar allows (the marker tokens favoured, so
-    the walks end), until the grammar completes."""
-    state, out = compiler.matcher(grammar), []
-    bitmask = torch.zeros(1, -(-len(tok) // 32), dtype=torch.int32)
-    eos = tok.convert_tokens_to_ids(EOS)
-    while not state.terminated:
-        assert len(out) < limit
-        bitmask.zero_()
-        state.fill(bitmask, 0)
-        bits = ((bitmask[0, :, None] >> torch.arange(32)) & 1).flatten()[:len(tok)]
-        allowed = bits.nonzero().flatten().tolist()
-        favoured = [t for t in markers if t in allowed]
-        t = eos if eos in allowed else favoured[0] if favoured and rng.random() < 0.6 \
-            else rng.choice(allowed)
-        assert state.accept(t)
-        out.append(t)
-    return out
+    """Tokens drawn from what the grammar allows (the marker tokens favoured, so the walks
+    end), until the grammar completes."""
+    return walk(compiler.matcher(grammar), len(tok), tok.convert_tokens_to_ids(EOS), rng,
+                markers, limit=limit)
 
 
 @pytest.mark.parametrize("version", VERSIONS, ids=["v4", "v41"])

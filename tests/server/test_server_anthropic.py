@@ -7,8 +7,11 @@ and that ``cache_control`` marks are cached, reported and pinned.
 
 from __future__ import annotations
 
+from typing import Literal
+
 import anthropic
 import httpx
+import pydantic
 import pytest
 from deepinfer.kv.radix import DEVICE
 from server_helpers import PAGE, no_lower_tiers, start_server
@@ -132,6 +135,35 @@ def test_text_reply_without_tools(srv, aclient):
     assert r.usage.cache_creation_input_tokens == 0  # no cache_control mark
 
 
+class Verdict(pydantic.BaseModel):
+    ok: bool
+    kind: Literal["bug", "feature"]
+
+
+def test_output_format_is_enforced(aclient):
+    """``messages.parse(output_format=...)``: the client sends ``output_config.format``."""
+    r = aclient.messages.parse(model="m", max_tokens=40, extra_body=GREEDY,
+                               output_format=Verdict,
+                               messages=[{"role": "user", "content": "hello world"}])
+    assert isinstance(r.parsed_output, Verdict)
+    assert r.content[0].type == "text" and Verdict.model_validate_json(r.content[0].text)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_output_format_with_tools_still_calls(aclient, stream):
+    """tool_choice auto: the answer JSON or tool use; the model trained to call does."""
+    fmt = {"format": {"type": "json_schema", "schema": Verdict.model_json_schema()}}
+    kw = dict(model="m", max_tokens=40, extra_body=GREEDY, system=system(False),
+              tools=A_TOOLS, output_config=fmt, messages=[{"role": "user", "content": TASK}])
+    if stream:
+        with aclient.messages.stream(**kw) as s:
+            r = s.get_final_message()
+    else:
+        r = aclient.messages.create(**kw)
+    assert r.stop_reason == "tool_use"
+    assert [(b.type, b.name, b.input) for b in r.content] == [("tool_use", "search", ARGUMENTS)]
+
+
 @pytest.mark.parametrize("extra, field", [
     ({"tools": [{"name": "f", "input_schema": {"type": "object", "properties": 3}}]},
      "tools[0].input_schema.properties"),
@@ -145,6 +177,13 @@ def test_text_reply_without_tools(srv, aclient):
      "messages[0].content[0].type"),
     ({"tool_choice": {"type": "tool", "name": "nope"}, "tools": A_TOOLS},
      "tool_choice.name"),
+    ({"tool_choice": {"type": "any"}, "tools": A_TOOLS, "output_config": {"format": {
+        "type": "json_schema", "schema": {"type": "object"}}}}, "tool_choice"),
+    ({"output_config": {"format": {"type": "xml"}}}, "output_config.format"),
+    ({"output_config": {"format": {"type": "json_schema", "schema": 5}}},
+     "output_config.format.schema"),
+    ({"output_config": {"format": {"type": "json_schema", "schema": {"type": 5}}}},
+     "output_config.format"),  # found by the grammar compiler
 ])
 def test_bad_requests_are_400_naming_the_field(srv, aclient, extra, field):
     kw = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}], **extra}

@@ -130,6 +130,38 @@ def test_required_tool_choice_gives_a_call(tclient):
     assert call.function.name == "search" and "query" in json.loads(call.function.arguments)
 
 
+ANSWER = {"type": "json_schema", "json_schema": {"name": "answer", "schema": {
+    "type": "object", "properties": {"text": {"type": "string", "maxLength": 12}},
+    "required": ["text"], "additionalProperties": False}}}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_tool_choice_with_response_format_still_calls(tclient, stream):
+    """The grammar allows the answer JSON or a call: the model, trained to call ``search``,
+    calls it (with only the JSON allowed it could not)."""
+    kw = dict(model="m", messages=start_messages(), tools=TOOLS, temperature=0, max_tokens=40,
+              response_format=ANSWER)
+    if not stream:
+        choice = tclient.chat.completions.create(**kw).choices[0]
+        assert choice.message.content is None and choice.finish_reason == "tool_calls"
+        calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+    else:
+        chunks = list(tclient.chat.completions.create(stream=True, **kw))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ""
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+        calls = streamed_calls(chunks)
+    assert [(name, json.loads(args)) for name, args in calls] == [("search", ARGUMENTS)]
+
+
+def test_none_tool_choice_with_response_format_answers_the_json(tclient):
+    r = tclient.chat.completions.create(model="m", messages=start_messages(), tools=TOOLS,
+                                        tool_choice="none", temperature=0, max_tokens=40,
+                                        response_format=ANSWER)
+    choice = r.choices[0]
+    assert choice.message.tool_calls is None and choice.finish_reason == "stop"
+    assert set(json.loads(choice.message.content)) == {"text"}
+
+
 @pytest.mark.parametrize("tools, extra, param", [
     ([{"type": "function", "function": {"name": "f", "parameters": {"type": "object",
                                                                    "properties": 5}}}],

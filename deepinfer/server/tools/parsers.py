@@ -72,6 +72,8 @@ class ToolParser:
     name = ""
     ARGS_KEY = "arguments"  # the key the family writes a call's arguments under
 
+    CALL_PREFIX = ""  # how every reply the call grammar allows begins (``answer_or_calls``)
+
     def call_grammar(self, call_schema: dict, parallel: bool,
                      added_tokens: dict[str, int] | None = None) -> str:
         """A Lark grammar (llguidance dialect, ``%json`` embeds a JSON schema) of a reply
@@ -79,6 +81,11 @@ class ToolParser:
         or a named function puts on the output. ``added_tokens`` (the tokenizer's added
         vocabulary): a marker that is one added token (Qwen's ``<tool_call>``) is written as
         that token, which llguidance keeps apart from text."""
+        return "start: calls\n" + self.calls_rules(call_schema, parallel, added_tokens)
+
+    def calls_rules(self, call_schema: dict, parallel: bool,
+                    added_tokens: dict[str, int] | None = None) -> str:
+        """The Lark rules of ``call_grammar`` but its start: they define ``calls``."""
         raise NotImplementedError
 
     def parse(self, text: str, final: bool = True) -> ToolOutput:
@@ -125,6 +132,7 @@ def _held_prefix(text: str, marker: str) -> int:
 class HermesParser(ToolParser):
     name = "hermes"
     START, END = "<tool_call>", "</tool_call>"
+    CALL_PREFIX = START
     _BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
     def parse(self, text: str, final: bool = True) -> ToolOutput:
@@ -150,11 +158,11 @@ class HermesParser(ToolParser):
         pieces.append(rest)
         return ToolOutput(_join_content(pieces) if calls else text.strip(), calls)
 
-    def call_grammar(self, call_schema: dict, parallel: bool,
-                     added_tokens: dict[str, int] | None = None) -> str:
+    def calls_rules(self, call_schema: dict, parallel: bool,
+                    added_tokens: dict[str, int] | None = None) -> str:
         start, end = (_literal(m, added_tokens or {}) for m in (self.START, self.END))
         call = f'{start} "\\n" %json {json_rule(call_schema)} "\\n" {end}'
-        return f'start: call ("\\n" call)*\ncall: {call}' if parallel else f"start: {call}"
+        return _calls(call, '"\\n"', parallel)
 
     def content_end(self, text: str) -> int:
         i = text.find(self.START)
@@ -177,13 +185,13 @@ class HermesParser(ToolParser):
 class Llama3JsonParser(ToolParser):
     name = "llama3_json"
     ARGS_KEY = "parameters"
+    CALL_PREFIX = '{"name": '  # ``json_rule``'s key separator: compact JSON never writes it
     TAG = "<|python_tag|>"
     _decoder = json.JSONDecoder()
 
-    def call_grammar(self, call_schema: dict, parallel: bool,
-                     added_tokens: dict[str, int] | None = None) -> str:
-        call = f"%json {json_rule(call_schema)}"
-        return f'start: call ("; " call)*\ncall: {call}' if parallel else f"start: {call}"
+    def calls_rules(self, call_schema: dict, parallel: bool,
+                    added_tokens: dict[str, int] | None = None) -> str:
+        return _calls(f"%json {json_rule(call_schema)}", '"; "', parallel)
 
     def parse(self, text: str, final: bool = True) -> ToolOutput:
         """While the reply grows (``final=False``), the calls complete so far: a reply that
@@ -241,6 +249,12 @@ def json_rule(schema: dict) -> str:
     call renders back identically, so the next turn extends this one in the cache)."""
     return json.dumps({**schema, "x-guidance": {"whitespace_flexible": False,
                                                 "item_separator": ", ", "key_separator": ": "}})
+
+
+def _calls(call: str, separator: str, parallel: bool) -> str:
+    """Rules ``calls``: one ``call``, or (``parallel``) several apart by ``separator``."""
+    calls = f"call ({separator} call)*" if parallel else "call"
+    return f"calls: {calls}\ncall: {call}"
 
 
 def _literal(marker: str, added_tokens: dict[str, int]) -> str:
