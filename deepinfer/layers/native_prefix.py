@@ -8,9 +8,10 @@ pages in place, scores the whole group's query rows against each key tile at onc
 dot pairs on bfloat16), and returns the log-sum-exp that ``chunk_attention`` merges with the
 chunk's own causal part.
 
-``prefix_backend`` is the one place that picks: the kernel for CPU caches in bfloat16 (where the
-build has AVX512-BF16) or float32 (AVX-512F) when it built; the torch path everywhere else
-(CUDA, AVX2-only CPUs, ``--attention-backend torch``, ``DEEPINFER_NO_NATIVE_KERNELS=1``).
+``prefix_backend`` is the one place that picks: the kernel for CPU caches in bfloat16 where the
+build has AVX512-BF16; the torch path everywhere else (float32, where the flash kernel was as
+fast, CUDA, CPUs without AVX512-BF16, ``--attention-backend torch``,
+``DEEPINFER_NO_NATIVE_KERNELS=1``).
 """
 
 from __future__ import annotations
@@ -24,8 +25,6 @@ from ..native_build import NativeExtension, build_extension
 
 SOURCE = Path(__file__).parent / "csrc" / "prefix_attention.cpp"
 STEM = "deepinfer_prefix_attention"
-# which cache dtypes each build's code runs
-ISA_DTYPES = {"avx512bf16": (torch.float32, torch.bfloat16), "avx512": (torch.float32,), "none": ()}
 
 
 @cache
@@ -38,15 +37,15 @@ def prefix_backend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
     """``native`` or ``torch``: which code attends a chunk's queries over its cached keys (all
     visible, plain softmax: the caller checks that)."""
     if not (backend == "auto" and q.device.type == "cpu" and k_cache.dtype == q.dtype == v_cache.dtype
-            and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1 and q.shape[-1] % 2 == 0
+            and q.dtype == torch.bfloat16 and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1 and q.shape[-1] % 2 == 0
             and q.shape[-1] == k_cache.shape[-1]):
         return "torch"
     kernel = native_prefix_kernel()
-    return "native" if kernel.loaded and q.dtype in ISA_DTYPES.get(kernel.isa, ()) else "torch"
+    return "native" if kernel.loaded and kernel.isa == "avx512bf16" else "torch"
 
 
 def native_prefix(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pages: torch.Tensor,
                   prefix: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [T, Hq, D] over keys ``0 .. prefix - 1`` of page table ``pages`` -> (out [T, Hq, Dv]
-    float32, lse [T, Hq] float32: natural log-sum-exp of the scaled scores)."""
+    """q [T, Hq, D] bfloat16 over keys ``0 .. prefix - 1`` of page table ``pages`` -> (out
+    [T, Hq, Dv] float32, lse [T, Hq] float32: natural log-sum-exp of the scaled scores)."""
     return torch.ops.deepinfer_prefix.prefix_attention(q.contiguous(), k_cache, v_cache, pages, prefix, scale)

@@ -7,12 +7,13 @@
 // Work item: (kv head, block of 16 query rows), rows being (token, q head of the group): all 16
 // rows share each key and value load (GQA). Vectorized over the rows, so the online softmax
 // (running max, rescaled sum, fp32 accumulator) needs no horizontal reductions: a tile is 16 rows
-// by 16 keys; scores are fp32 sums (AVX512-BF16 dot-pair instructions for bfloat16, FMAs for
-// float32), the accumulator fp32. Rows are independent, so the result does not depend on the
+// by 16 keys; scores are fp32 sums of exact products (AVX512-BF16 dot-pair instructions), the
+// accumulator fp32. Rows are independent, so the result does not depend on the
 // thread count. Returns the attention output in fp32 and each row's log-sum-exp of the scaled
 // scores, which the caller merges with the chunk's own causal part.
 //
-// Needs AVX-512 (F, and BF16 for bfloat16 caches): without it ``isa()`` says what is missing and
+// bfloat16 caches only (float32 ones keep torch's flash kernel: with plain FMAs this tiling did
+// not beat it), and only where the build has AVX512-BF16: elsewhere ``isa()`` says "none" and
 // the caller keeps its torch path.
 
 #include <ATen/ATen.h>
@@ -29,7 +30,7 @@
 #include <tuple>
 #include <vector>
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
 
@@ -37,7 +38,7 @@ namespace {
 
 using bf16 = c10::BFloat16;
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
 constexpr int64_t kRows = 16;  // query rows per work item: one vector lane each
 constexpr int64_t kKeys = 16;  // keys per tile
 
@@ -59,7 +60,6 @@ inline __m512 exp16(__m512 x) {
 }
 
 // One value row into float32 (the PV product runs in fp32 FMAs).
-inline void to_float(const float* v, int64_t n, float* out) { std::memcpy(out, v, sizeof(float) * n); }
 inline void to_float(const bf16* v, int64_t n, float* out) {
   int64_t d = 0;
   for (; d + 16 <= n; d += 16) {
@@ -69,34 +69,21 @@ inline void to_float(const bf16* v, int64_t n, float* out) {
   for (; d < n; ++d) out[d] = static_cast<float>(v[d]);
 }
 
-// Queries of one work item, laid out for the score loop: float32 as [D][16 rows]; bfloat16 as
-// [D/2][16 rows][2] (the pairs the dot-pair instruction multiplies). Missing rows are zeros.
-template <typename T>
-void pack_queries(const T* q, int64_t row0, int64_t rows, int64_t G, int64_t h, int64_t Hq, int64_t D, T* out) {
-  std::memset(static_cast<void*>(out), 0, sizeof(T) * D * kRows);
+// Queries of one work item, laid out for the score loop as [D/2][16 rows][2] (the pairs the
+// dot-pair instruction multiplies). Missing rows are zeros.
+void pack_queries(const bf16* q, int64_t row0, int64_t rows, int64_t G, int64_t h, int64_t Hq, int64_t D,
+                  bf16* out) {
+  std::memset(static_cast<void*>(out), 0, sizeof(bf16) * D * kRows);
   for (int64_t i = 0; i < rows; ++i) {
     const int64_t r = row0 + i;
-    const T* src = q + (r / G) * Hq * D + (h * G + r % G) * D;
-    for (int64_t d = 0; d < D; ++d) {
-      if constexpr (sizeof(T) == 2) out[(d / 2) * kRows * 2 + i * 2 + d % 2] = src[d];
-      else out[d * kRows + i] = src[d];
-    }
+    const bf16* src = q + (r / G) * Hq * D + (h * G + r % G) * D;
+    for (int64_t d = 0; d < D; ++d) out[(d / 2) * kRows * 2 + i * 2 + d % 2] = src[d];
   }
 }
 
 // s[j] (16 rows each) = q . k[j] for the 16 keys of a tile (a fixed count: the scores stay in
 // registers; a short tile's missing keys point at a valid one and are dropped by the caller).
-inline void tile_scores(const float* qp, const float* const* k, int64_t D, __m512* s) {
-  for (int64_t j = 0; j < kKeys; ++j) s[j] = _mm512_setzero_ps();
-  for (int64_t d = 0; d < D; ++d) {
-    const __m512 qd = _mm512_loadu_ps(qp + d * kRows);
-#pragma GCC unroll 16
-    for (int64_t j = 0; j < kKeys; ++j) s[j] = _mm512_fmadd_ps(qd, _mm512_set1_ps(k[j][d]), s[j]);
-  }
-}
-
 inline void tile_scores(const bf16* qp, const bf16* const* k, int64_t D, __m512* s) {
-#ifdef __AVX512BF16__
   for (int64_t j = 0; j < kKeys; ++j) s[j] = _mm512_setzero_ps();
   for (int64_t d2 = 0; d2 < D / 2; ++d2) {
     const __m512bh qd = (__m512bh)_mm512_loadu_si512(qp + d2 * kRows * 2);
@@ -107,13 +94,10 @@ inline void tile_scores(const bf16* qp, const bf16* const* k, int64_t D, __m512*
       s[j] = _mm512_dpbf16_ps(s[j], qd, (__m512bh)_mm512_set1_epi32(pair));
     }
   }
-#else
-  (void)qp, (void)k, (void)D, (void)s;
-  TORCH_CHECK(false, "bfloat16 prefix attention needs AVX512-BF16");
-#endif
 }
 
-template <typename T>
+using T = bf16;
+
 void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const int64_t* table,
          int64_t prefix, float scale, at::Tensor& out, at::Tensor& lse) {
   const int64_t T_ = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = k_cache.size(2), S = k_cache.size(1);
@@ -194,7 +178,7 @@ std::tuple<at::Tensor, at::Tensor> prefix_attention(const at::Tensor& q, const a
                                                     int64_t prefix, double scale) {
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be a contiguous [T, Hq, D] tensor");
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4, "caches must be [num_pages, page_size, kv_heads, dim]");
-  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, "q must be float32 or bfloat16");
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16, "q must be bfloat16");
   TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
               "q and the caches must have one dtype");
   TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.stride(3) == 1, "the caches' last dim must be dense");
@@ -210,24 +194,19 @@ std::tuple<at::Tensor, at::Tensor> prefix_attention(const at::Tensor& q, const a
     TORCH_CHECK(table[p] >= 0 && table[p] < k_cache.size(0), "page id out of range");
   at::Tensor out = at::empty({q.size(0), q.size(1), v_cache.size(3)}, q.options().dtype(at::kFloat));
   at::Tensor lse = at::empty({q.size(0), q.size(1)}, q.options().dtype(at::kFloat));
-#ifdef __AVX512F__
-  if (q.scalar_type() == at::kFloat)
-    run<float>(q, k_cache, v_cache, table, prefix, static_cast<float>(scale), out, lse);
-  else
-    run<bf16>(q, k_cache, v_cache, table, prefix, static_cast<float>(scale), out, lse);
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  run(q, k_cache, v_cache, table, prefix, static_cast<float>(scale), out, lse);
 #else
   (void)scale;
-  TORCH_CHECK(false, "prefix attention needs AVX-512");
+  TORCH_CHECK(false, "prefix attention needs AVX512-BF16");
 #endif
   return {out, lse};
 }
 
-// "avx512bf16" (float32 and bfloat16), "avx512" (float32 only) or "none": what this build runs.
+// "avx512bf16" or "none": whether this build runs the kernel.
 std::string isa() {
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
   return "avx512bf16";
-#elif defined(__AVX512F__)
-  return "avx512";
 #else
   return "none";
 #endif
