@@ -30,7 +30,15 @@ def prefix_then_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix
     """q [1, Hq, Lq, D]; k/v [1, Hkv, prefix + Lq, D], the chunk's own keys last. Query i sees
     keys ``0 .. prefix + i``. Returns [1, Hq, Lq, D] (GQA: Hq a multiple of Hkv)."""
     o_pre, lse_pre = _flash_with_lse(q, k[:, :, :prefix], v[:, :, :prefix], scale=scale)
-    o_own, lse_own = _flash_with_lse(q, k[:, :, prefix:], v[:, :, prefix:], is_causal=True, scale=scale)
+    return then_causal(q, o_pre, lse_pre, k[:, :, prefix:], v[:, :, prefix:], scale)
+
+
+def then_causal(q: torch.Tensor, o_pre: torch.Tensor, lse_pre: torch.Tensor, k_own: torch.Tensor,
+                v_own: torch.Tensor, scale: float) -> torch.Tensor:
+    """The chunk's own keys k_own/v_own [1, Hkv, Lq, D] causally, merged with its attention over
+    the earlier keys, o_pre [1, Hq, Lq, D] with its log-sum-exp lse_pre [1, Hq, Lq] (computed by
+    the flash op above, or read from the pages by ``native_prefix``). Returns [1, Hq, Lq, D]."""
+    o_own, lse_own = _flash_with_lse(q, k_own, v_own, is_causal=True, scale=scale)
     # softmax weight of the earlier keys' block: e^lse_pre / (e^lse_pre + e^lse_own)
     w_pre = torch.sigmoid(lse_pre - lse_own).unsqueeze(-1)
     return torch.lerp(o_own.float(), o_pre.float(), w_pre).to(q.dtype)
