@@ -1,13 +1,10 @@
-// Lossy KV page codecs on CPU pages. Decode goes straight into the L1 pool: the bytes of n pages
-// (the rows of a staging buffer, in the layout of page_bytes.py / codecs.py) become the pages'
-// values in each owned buffer, with no intermediate tensors. Values are computed exactly as the
-// torch decode does (float32 table lookup times float32 scale, clamped to the dtype's finite
-// range, rounded to nearest even), with the tables handed in by the caller, so the results are
-// bit-identical. Encode (fp8, fp4, mxfp4) repeats the torch encode's float32 steps in the same
-// order, so its bytes are the torch encode's: the tier writers save pages without its dozen
-// temporaries per page (FP4's table rounding was the slowest of them).
-// One call runs on its caller's thread: the loader's reader threads each decode their own
-// pages (an intra-op thread team per reader would oversubscribe the cores they share).
+// Lossy KV page codecs on CPU pages, bit-identical to the torch ones (codecs.py, minifloat.py).
+// Decode writes n pages' bytes (staging rows, page_bytes.py's layout) straight into each owned
+// buffer of the L1 pool: float32 table value times float32 scale, clamped to the dtype's finite
+// range, rounded to nearest even, with the caller's tables. Encode (fp8, fp4, mxfp4) repeats the
+// torch encode's float32 steps in its order, without its dozen temporaries per page. One call
+// runs on its caller's thread: the loader's readers and the tier writers each run their own
+// pages (an intra-op thread team per caller would oversubscribe the cores they share).
 
 #include <ATen/ATen.h>
 #include <c10/util/BFloat16.h>
@@ -43,6 +40,12 @@ struct Layout {  // one buffer's page row: what it holds and where
     }
   }
 };
+
+float from_bits(uint32_t bits) {
+  float v;
+  std::memcpy(&v, &bits, 4);
+  return v;
+}
 
 float load_f32(const uint8_t* p) {
   float v;
@@ -141,6 +144,16 @@ void block_values(const uint8_t* codes, int64_t m, int64_t block, const Scale& s
   }
 }
 
+// f(values) with a float32 / bfloat16 / float16 buffer's data pointer (the dtypes checked before)
+template <typename F>
+void on_values(const at::Tensor& b, const F& f) {
+  switch (b.scalar_type()) {
+    case at::kFloat: f(b.data_ptr<float>()); break;
+    case at::kBFloat16: f(b.data_ptr<c10::BFloat16>()); break;
+    default: f(b.data_ptr<c10::Half>()); break;
+  }
+}
+
 // One page row of one buffer into o (m elements of T).
 template <typename T>
 void decode_row(const Layout& L, const uint8_t* row, const float* e4m3, const float* e2m1, T* o,
@@ -159,8 +172,7 @@ void decode_row(const Layout& L, const uint8_t* row, const float* e4m3, const fl
       for (int64_t b = 0; b < nb; ++b) tmp[b] = e4m3[sb[b]] * g;
     } else {
       for (int64_t b = 0; b < nb; ++b) {
-        const uint32_t bits = sb[b] == 0 ? 0x00400000u : static_cast<uint32_t>(sb[b]) << 23;  // 2**-127
-        std::memcpy(&tmp[b], &bits, 4);
+        tmp[b] = from_bits(sb[b] == 0 ? 0x00400000u : static_cast<uint32_t>(sb[b]) << 23);  // 0: 2**-127
       }
     }
     block_values<NibbleCodes>(packed, m, L.block, [&](int64_t b) { return tmp[b]; }, e2m1, o);
@@ -178,9 +190,7 @@ void decode_row(const Layout& L, const uint8_t* row, const float* e4m3, const fl
   for (int64_t c = 0; c < C; ++c) {
     uint16_t h;
     std::memcpy(&h, mean + 2 * c, 2);
-    const uint32_t bits = static_cast<uint32_t>(h) << 16;
-    float mf;
-    std::memcpy(&mf, &bits, 4);
+    const float mf = from_bits(static_cast<uint32_t>(h) << 16);
     for (int64_t t = 0; t < L.tokens; ++t) Out<T>::put(o + t * C + c, tmp[t * C + c] + mf);
   }
   std::memcpy(o + idx * C, exact, C * L.esz);
@@ -228,24 +238,42 @@ void decode_into(const at::Tensor& rows, const at::Tensor& pages, at::TensorList
     for (int64_t j = 0; j < nbuf; ++j) {
       const Layout& L = layouts[j];
       const uint8_t* row = base + i * width + offsets[j];
-      const at::Tensor& b = buffers[j];
-      switch (b.scalar_type()) {
-        case at::kFloat: decode_row(L, row, t8, t4, b.data_ptr<float>() + pg[i] * L.m, tmp); break;
-        case at::kBFloat16: decode_row(L, row, t8, t4, b.data_ptr<c10::BFloat16>() + pg[i] * L.m, tmp); break;
-        default: decode_row(L, row, t8, t4, b.data_ptr<c10::Half>() + pg[i] * L.m, tmp); break;
-      }
+      on_values(buffers[j], [&](auto* v) { decode_row(L, row, t8, t4, v + pg[i] * L.m, tmp); });
     }
   }
 }
 
 // -- encode: the torch encode's arithmetic (codecs.py), op for op in float32, so the bytes match
+// float32 of 8 stored values (exact for every dtype)
+#ifdef __AVX2__
+__m256 load8(const float* x) { return _mm256_loadu_ps(x); }
+__m256 load8(const c10::BFloat16* x) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+__m256 load8(const c10::Half* x) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x))); }
+#endif
 
 // abs max of one block; a NaN / Inf value raises (the torch encode refuses to persist such pages)
 template <typename T>
 float block_amax(const T* x, int64_t block) {
   float amax = 0.0f;
   bool finite = true;
-  for (int64_t i = 0; i < block; ++i) {
+  int64_t i = 0;
+#ifdef __AVX2__
+  const __m256 sign = _mm256_set1_ps(-0.0f), top = _mm256_set1_ps(FLT_MAX);
+  __m256 vmax = _mm256_setzero_ps(), ok = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+  for (; i + 8 <= block; i += 8) {
+    const __m256 a = _mm256_andnot_ps(sign, load8(x + i));
+    ok = _mm256_and_ps(ok, _mm256_cmp_ps(a, top, _CMP_LE_OQ));
+    vmax = _mm256_max_ps(vmax, a);
+  }
+  finite = _mm256_movemask_ps(ok) == 0xFF;
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, vmax);
+  for (float v : lanes) amax = v > amax ? v : amax;  // max is exact in any order
+#endif
+  for (; i < block; ++i) {
     const float a = std::fabs(static_cast<float>(x[i]));
     finite &= a <= FLT_MAX;
     amax = a > amax ? a : amax;
@@ -255,24 +283,87 @@ float block_amax(const T* x, int64_t block) {
 }
 
 float nonzero_or_one(float s) { return s > 0.0f ? s : 1.0f; }
-
 // e4m3 code of v clamped to +-448 (torch's float -> float8_e4m3fn conversion: nearest even)
 uint8_t e4m3_code(float v) { return c10::Float8_e4m3fn(clamp_to(v, 448.0f)).x; }
 
-// e2m1 code of v: nearest even grid point, saturating at +-6 (minifloat.E2M1.encode)
+// e2m1 code of v, nearest even grid point saturating at +-6 (minifloat.E2M1.encode): the count
+// of grid midpoints below |v|, plus one on the ties whose count is odd, plus 8 for the sign bit
+constexpr float kE2M1Mids[7] = {0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5.0f};
 uint8_t e2m1_code(float v) {
-  static constexpr float kMids[7] = {0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5.0f};
   const float a = std::fmin(std::fabs(v), 6.0f);
-  int idx = 0;
-  for (float mid : kMids) idx += mid < a;
-  if (idx < 7 && a == kMids[idx] && (idx & 1)) ++idx;  // a tie goes to the even code
+  int idx = a == 0.75f || a == 1.75f || a == 3.5f;
+  for (float mid : kE2M1Mids) idx += mid < a;
   return static_cast<uint8_t>(idx | (std::signbit(v) ? 8 : 0));
+}
+
+#ifdef __AVX2__
+// e4m3_code of 8 finite values, as int32 lanes: c10's bit steps (fp8e4m3fn_from_fp32_value)
+__m256i e4m3_codes8(__m256 v) {
+  v = _mm256_max_ps(_mm256_set1_ps(-448.0f), _mm256_min_ps(_mm256_set1_ps(448.0f), v));
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i sign = _mm256_and_si256(u, _mm256_set1_epi32(INT32_MIN));
+  const __m256i a = _mm256_xor_si256(u, sign);
+  const __m256i denorm_mask = _mm256_set1_epi32(141 << 23);
+  const __m256i sub = _mm256_sub_epi32(
+      _mm256_castps_si256(_mm256_add_ps(_mm256_castsi256_ps(a), _mm256_castsi256_ps(denorm_mask))), denorm_mask);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(a, 20), _mm256_set1_epi32(1));
+  __m256i norm = _mm256_add_epi32(a, _mm256_set1_epi32(static_cast<int>((7u - 127u) << 23) + 0x7FFFF));
+  norm = _mm256_min_epi32(_mm256_srli_epi32(_mm256_add_epi32(norm, odd), 20), _mm256_set1_epi32(0x7E));
+  const __m256i small = _mm256_cmpgt_epi32(_mm256_set1_epi32(121 << 23), a);
+  const __m256i r = _mm256_and_si256(_mm256_blendv_epi8(norm, sub, small), _mm256_set1_epi32(0xFF));
+  return _mm256_or_si256(r, _mm256_srli_epi32(sign, 24));
+}
+
+// e2m1_code of 8 values, as int32 lanes
+__m256i e2m1_codes8(__m256 v) {
+  const __m256 a = _mm256_min_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.0f), v), _mm256_set1_ps(6.0f));
+  __m256i idx = _mm256_setzero_si256();
+  for (float mid : kE2M1Mids)
+    idx = _mm256_sub_epi32(idx, _mm256_castps_si256(_mm256_cmp_ps(_mm256_set1_ps(mid), a, _CMP_LT_OQ)));
+  const __m256 tie = _mm256_or_ps(_mm256_or_ps(_mm256_cmp_ps(a, _mm256_set1_ps(0.75f), _CMP_EQ_OQ),
+                                               _mm256_cmp_ps(a, _mm256_set1_ps(1.75f), _CMP_EQ_OQ)),
+                                  _mm256_cmp_ps(a, _mm256_set1_ps(3.5f), _CMP_EQ_OQ));
+  idx = _mm256_sub_epi32(idx, _mm256_castps_si256(tie));
+  return _mm256_or_si256(idx, _mm256_slli_epi32(_mm256_srli_epi32(_mm256_castps_si256(v), 31), 3));
+}
+
+// the low byte of each int32 lane, in order: 8 bytes
+void store_bytes8(__m256i r, uint8_t* o) {
+  const __m256i pick = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                        0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1);
+  const __m256i b = _mm256_shuffle_epi8(r, pick);
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(o),
+                   _mm_unpacklo_epi32(_mm256_castsi256_si128(b), _mm256_extracti128_si256(b, 1)));
+}
+
+// nibble codes in int32 lanes: lane 2k's low byte becomes lane 2k | lane 2k+1 << 4
+__m256i nibble_pairs(__m256i r) { return _mm256_or_si256(r, _mm256_srli_epi64(r, 28)); }
+#endif
+
+// e4m3 codes of block values x / d
+template <typename T>
+void e4m3_block(const T* x, int64_t block, float d, uint8_t* codes) {
+  int64_t i = 0;
+#ifdef __AVX2__
+  const __m256 dv = _mm256_set1_ps(d);
+  for (; i + 8 <= block; i += 8) store_bytes8(e4m3_codes8(_mm256_div_ps(load8(x + i), dv)), codes + i);
+#endif
+  for (; i < block; ++i) codes[i] = e4m3_code(static_cast<float>(x[i]) / d);
 }
 
 // e2m1 codes of block values x / d, two per byte
 template <typename T>
 void pack_e2m1(const T* x, int64_t block, float d, uint8_t* packed) {
-  for (int64_t i = 0; i < block; i += 2)
+  int64_t i = 0;
+#ifdef __AVX2__
+  const __m256 dv = _mm256_set1_ps(d);
+  for (; i + 8 <= block; i += 8) {
+    alignas(8) uint8_t bytes[8];  // the pairs at 0, 2, 4, 6
+    store_bytes8(nibble_pairs(e2m1_codes8(_mm256_div_ps(load8(x + i), dv))), bytes);
+    for (int k = 0; k < 4; ++k) packed[(i >> 1) + k] = bytes[2 * k];
+  }
+#endif
+  for (; i < block; i += 2)
     packed[i / 2] = e2m1_code(static_cast<float>(x[i]) / d) | (e2m1_code(static_cast<float>(x[i + 1]) / d) << 4);
 }
 
@@ -285,14 +376,11 @@ void encode_row(const Layout& L, const T* x, const float* e4m3, uint8_t* row, st
   if (L.codec == kFP8) {
     for (int64_t b = 0; b < nb; ++b) {
       const float scale = amax[b] / 448.0f;
-      const float d = nonzero_or_one(scale);
-      for (int64_t i = b * B; i < (b + 1) * B; ++i) row[i] = e4m3_code(static_cast<float>(x[i]) / d);
+      e4m3_block(x + b * B, B, nonzero_or_one(scale), row + b * B);
       std::memcpy(row + m + 4 * b, &scale, 4);
     }
   } else if (L.codec == kFP4) {
-    float page_amax = 0.0f;
-    for (int64_t b = 0; b < nb; ++b) page_amax = amax[b] > page_amax ? amax[b] : page_amax;
-    const float g = page_amax / 2688.0f;  // 448 * 6
+    const float g = (nb ? *std::max_element(amax.begin(), amax.end()) : 0.0f) / 2688.0f;  // 448 * 6
     const float gs = nonzero_or_one(g), t = 6.0f * gs;
     std::memcpy(row, &g, 4);
     uint8_t* sb = row + 4 + m / 2;
@@ -305,11 +393,8 @@ void encode_row(const Layout& L, const T* x, const float* e4m3, uint8_t* row, st
       int ex;
       const float mant = std::frexp(amax[b] / 6.0f, &ex);
       const int e = std::min(127, std::max(-126, mant == 0.5f ? ex - 1 : ex));
-      const uint32_t bits = static_cast<uint32_t>(e + 127) << 23;
-      float scale;
-      std::memcpy(&scale, &bits, 4);
       row[m / 2 + b] = static_cast<uint8_t>(e + 127);
-      pack_e2m1(x + b * B, B, scale, row + b * B / 2);
+      pack_e2m1(x + b * B, B, from_bits(static_cast<uint32_t>(e + 127) << 23), row + b * B / 2);
     }
   }
 }
@@ -317,11 +402,9 @@ void encode_row(const Layout& L, const T* x, const float* e4m3, uint8_t* row, st
 // data: per owned buffer, n pages [n, ...] -> rows [n, W], row i the concatenated encoded rows of
 // page i in every buffer (page_bytes.encode_pages' layout). fp8c is not encoded here.
 at::Tensor encode_pages(at::TensorList data, int64_t codec, int64_t block, const at::Tensor& e4m3) {
-  TORCH_CHECK(codec == kFP8 || codec == kFP4 || codec == kMXFP4, "no native encode for codec id ", codec);
-  TORCH_CHECK(e4m3.numel() == 256 && e4m3.scalar_type() == at::kFloat && e4m3.is_contiguous(),
-              "e4m3 table must be float32 [256]");
-  TORCH_CHECK(block > 0 && (codec == kFP8 || block % 2 == 0), "bad block size ", block);
-  TORCH_CHECK(!data.empty(), "no buffers to encode");
+  TORCH_CHECK((codec == kFP8 || codec == kFP4 || codec == kMXFP4) && e4m3.numel() == 256 && e4m3.is_contiguous()
+              && e4m3.scalar_type() == at::kFloat, "no native encode of codec ", codec, " or a bad e4m3 table");
+  TORCH_CHECK(block > 0 && (codec == kFP8 || block % 2 == 0) && !data.empty(), "bad block ", block, " or no buffers");
   const int64_t n = data[0].size(0);
   std::vector<Layout> layouts;
   int64_t width = 0;
@@ -343,12 +426,7 @@ at::Tensor encode_pages(at::TensorList data, int64_t codec, int64_t block, const
     uint8_t* row = base + i * width;
     for (size_t j = 0; j < data.size(); ++j) {
       const Layout& L = layouts[j];
-      const at::Tensor& d = data[j];
-      switch (d.scalar_type()) {
-        case at::kFloat: encode_row(L, d.data_ptr<float>() + i * L.m, t8, row, amax); break;
-        case at::kBFloat16: encode_row(L, d.data_ptr<c10::BFloat16>() + i * L.m, t8, row, amax); break;
-        default: encode_row(L, d.data_ptr<c10::Half>() + i * L.m, t8, row, amax); break;
-      }
+      on_values(data[j], [&](auto* v) { encode_row(L, v + i * L.m, t8, row, amax); });
       row += L.nbytes();
     }
   }
