@@ -15,7 +15,7 @@ import torch
 
 from ..pool import PagePool
 from .codecs import Codec
-from .native_pages import decode_into, native_decodes
+from .native_pages import decode_into, encode_native, native_decodes, native_encodes
 
 
 class KVTransfer(Protocol):
@@ -99,7 +99,10 @@ def page_nbytes(codec: Codec, shapes: list[tuple[int, ...]], dtype: torch.dtype)
 
 
 def encode_pages(codec: Codec, data: list[torch.Tensor]) -> torch.Tensor:
-    """Per-buffer page tensors [n, *page_shape] -> [n, page_nbytes] uint8 (on data's device)."""
+    """Per-buffer page tensors [n, *page_shape] -> [n, page_nbytes] uint8 (on data's device);
+    natively for CPU pages where ``native_encodes`` (same bytes)."""
+    if data[0].device.type == "cpu" and native_encodes(codec, data[0].dtype):
+        return encode_native(codec, data)
     n = data[0].shape[0]
     return torch.cat([codec.encode_rows(d.reshape(n, -1)) for d in data], dim=1)
 

@@ -3,7 +3,8 @@ conversations that ended most recently back to L2, so a next turn loads from hos
 
 The cache manager reports each request's cached chain when it ends (``remember``); the engine
 thread calls ``on_idle`` while idle. Per idle period (reset by ``end_idle``, at the next step)
-at most ``max_bytes`` and ``max_pages`` are promoted. A node is promoted whole: it gets L2 slots
+at most ``max_bytes`` and ``max_pages`` are promoted (a node that does not fit what is left is
+skipped, smaller ones still may). A node is promoted whole: it gets L2 slots
 (free ones, or those of L2 nodes last used before it, evicted as usual), stays locked while an
 L3 -> L2 read runs in the background, and gains its L2 tier only once every page read back
 intact (``poll``), so a failed read is a miss and never garbage in the tree. Nothing here
@@ -74,10 +75,10 @@ class IdlePromoter:
         while self._todo and self._spent < self.max_pages:
             hashes = self._todo.pop(0)
             for node in self.tree.match(hashes, touch=False, count_hit=False).path:
-                if self._spent + node.num_pages > self.max_pages:  # budget spent: the rest
-                    return bool(self._flight)  # waits for the next period
+                # a node over what is left of the budget is skipped, not a stop: one node
+                # larger than a whole period's budget would otherwise block every later one
                 if node.tiers[DEVICE] is None and node.tiers[HOST] is None and \
-                        node.tiers[DISK] is not None:
+                        node.tiers[DISK] is not None and self._spent + node.num_pages <= self.max_pages:
                     self._start(node)
         return bool(self._flight)
 

@@ -127,6 +127,18 @@ def test_budget_bounds_each_idle_period(tiny_llama, tmp_path, turns):
     assert promotion(m)["promoted_pages"] == 8 and promotion(m)["idle_periods"] == 2
 
 
+def test_a_node_over_the_budget_does_not_block_smaller_ones(tiny_llama, tmp_path, turns):
+    """10 pages in nodes of 8 and 2, a budget of 4: the 8-page node never fits, the 2-page one
+    is promoted (the walk used to stop at the first node over the budget)."""
+    first, _ = turns
+    m = make(tiny_llama, tmp_path, kv_idle_promote_mb=4 * PAGE_BYTES / 2**20, max_node_pages=8)
+    m.generate(first, ONE)
+    to_l3_only(m)
+    idle(m)
+    assert promotion(m)["promoted_pages"] == 2 and promotion(m)["promotions"] == 1
+    assert m.engine.kv.tree.pages_in_tier[HOST] == 2
+
+
 def test_evict_older_than_keeps_younger_nodes():
     tree = RadixTree(page_size=1)
     a, _ = tree.insert([b"a"], None, HOST, [1])
