@@ -6,8 +6,10 @@ times its 1-row matrix-vector path, although both are bound by reading the same 
 verify step of a few tokens cost several decode steps. The native kernel reads each weight row
 once for all rows of the call, and gives each output the same bits whatever the number of rows
 or threads. ``use_small_row_linears`` swaps every float ``nn.Linear`` of a loaded CPU model
-for a ``SmallRowLinear`` (once, at load); calls of one row or of more than 16 keep ``F.linear``.
-CUDA, other dtypes, ``DEEPINFER_NO_NATIVE_KERNELS=1`` and a failed build keep ``nn.Linear``.
+for a ``SmallRowLinear`` (once, at load); calls of more than 16 rows keep ``F.linear``, and so do
+calls of one row unless the kernel runs bfloat16 by AVX512-BF16 dot products, which beat oneDNN's
+bf16 matrix-vector path too. CUDA, other dtypes, ``DEEPINFER_NO_NATIVE_KERNELS=1`` and a failed
+build keep ``nn.Linear``.
 """
 
 from __future__ import annotations
@@ -25,9 +27,11 @@ from .linear import FusedLinear, SplitOutputs
 SOURCE = Path(__file__).parent / "csrc" / "small_rows.cpp"
 STEM = "deepinfer_small_rows"
 # Calls of MIN_ROWS..MAX_ROWS rows run the kernel. One row (batch-1 decode) keeps MKL's
-# matrix-vector path, which the kernel only matches; above 16 a call is a prefill chunk, where
+# matrix-vector path, which the AVX2 kernel only matches; above 16 a call is a prefill chunk, where
 # MKL's blocked sgemm is faster.
 MIN_ROWS, MAX_ROWS = 2, 16
+# The kernel's code for bfloat16 with AVX512-BF16 dot products: it runs one-row calls too.
+DPBF16_ISA = "avx512_bf16"
 DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -53,15 +57,18 @@ class SmallRowLinear(SplitOutputs, nn.Module):
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         self.out_sizes = linear.out_sizes if isinstance(linear, FusedLinear) else [linear.out_features]
+        one_row = self.weight.dtype == torch.bfloat16 and small_rows_kernel().isa == DPBF16_ISA
+        self.min_rows = 1 if one_row else MIN_ROWS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not MIN_ROWS * self.in_features <= x.numel() <= MAX_ROWS * self.in_features:
+        if not self.min_rows * self.in_features <= x.numel() <= MAX_ROWS * self.in_features:
             return F.linear(x, self.weight, self.bias)
         y = small_rows_linear(x.reshape(-1, self.in_features), self.weight, self.bias)
         return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, kernel=small_rows"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, kernel=small_rows, "
+                f"rows={self.min_rows}..{MAX_ROWS}")
 
 
 def use_small_row_linears(model: nn.Module) -> int:

@@ -12,8 +12,8 @@ from torch import nn
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.layers.linear import FusedLinear
-from deepinfer.layers.small_row_linear import (MAX_ROWS, SmallRowLinear, small_rows_kernel, small_rows_linear,
-                                               use_small_row_linears)
+from deepinfer.layers.small_row_linear import (DPBF16_ISA, MAX_ROWS, SmallRowLinear, small_rows_kernel,
+                                               small_rows_linear, use_small_row_linears)
 from native_helpers import loaded
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576), (7, 13), (33, 100), (5, 8)]
@@ -65,14 +65,46 @@ def test_bfloat16_within_its_rounding(kernel, shape):
         assert _error(got, x, w, b) <= _error(want, x, w, b) + 2 ** -9
 
 
-def test_each_row_same_bits_for_any_row_or_thread_count(kernel, threads):
-    x, w, b = _case(3072, 576, MAX_ROWS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_each_row_same_bits_for_any_row_or_thread_count(kernel, threads, dtype):
+    x, w, b = _case(3072, 576, MAX_ROWS, dtype)
     threads(1)
     alone = torch.cat([small_rows_linear(x[i : i + 1], w, b) for i in range(MAX_ROWS)])
     for t in (1, 2):
         threads(t)
         for m in (2, 3, 4, 7, MAX_ROWS):
             assert torch.equal(small_rows_linear(x[:m], w, b), alone[:m]), (t, m)
+
+
+@pytest.fixture(scope="module")
+def dpbf16(kernel):
+    if kernel.isa != DPBF16_ISA:
+        pytest.skip(f"the kernel holds {kernel.isa} code (no AVX512-BF16 here)")
+    return kernel
+
+
+@pytest.mark.parametrize("shape", [(960, 576), (576, 1536), (7, 13), (33, 100), (5, 8), (3, 40)])
+def test_dpbf16_within_bf16_rounding_of_f_linear(dpbf16, shape):
+    """AVX512-BF16 dots: every product exact in fp32, only the order of the sums differs from
+    F.linear, so the result is the exact sum rounded once to bf16 (odd K: masked tails; N % 4:
+    partial tiles), as close to it as F.linear's."""
+    n, k = shape
+    x, w, b = _case(n, k, MAX_ROWS, torch.bfloat16)
+    for m, bias in ((1, b), (2, None), (3, b), (4, b), (5, None), (MAX_ROWS, b)):
+        got = small_rows_linear(x[:m], w, bias)
+        assert _error(got, x[:m], w, bias) < 2 ** -8, (shape, m)
+        assert _error(got, x[:m], w, bias) <= _error(F.linear(x[:m], w, bias), x[:m], w, bias) + 2 ** -9
+
+
+def test_dpbf16_runs_one_row_bf16_calls(dpbf16):
+    bf16, fp32 = nn.Linear(576, 960).bfloat16(), nn.Linear(576, 960)
+    model = nn.ModuleDict({"bf16": bf16, "fp32": fp32})
+    assert use_small_row_linears(model) == 2
+    swapped_bf16, swapped_fp32 = model["bf16"], model["fp32"]
+    assert (swapped_bf16.min_rows, swapped_fp32.min_rows) == (1, 2)
+    x = torch.randn(1, 576)
+    assert torch.equal(swapped_bf16(x.bfloat16()), small_rows_linear(x.bfloat16(), bf16.weight, bf16.bias))
+    assert torch.equal(swapped_fp32(x), F.linear(x, fp32.weight, fp32.bias))
 
 
 def test_bad_inputs_raise(kernel):

@@ -12,6 +12,10 @@
 // mask the torch path builds (kv_start: position of the page table's first key, ring views).
 // Caches in float32 or bfloat16 (q and output in the same dtype); K and V may be views of one
 // buffer (MLA: values are the leading part of each cached key), only the last dim must be dense.
+//
+// AVX-512: values are widened and accumulated 16 lanes at a time (the same per-lane arithmetic as
+// the 8-lane AVX2 code). With AVX512-BF16, bf16 keys are scored by `vdpbf16ps` against the bf16
+// query as it is (32 exact products per instruction, fp32 sums), the scale applied to each score.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -24,10 +28,15 @@
 #include <limits>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #ifdef __AVX2__
 #include <immintrin.h>
+#endif
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define DEEPINFER_DPBF16 1
 #endif
 
 namespace {
@@ -70,6 +79,40 @@ inline __m256 exp8(__m256 x) {
 }
 #endif
 
+#ifdef __AVX512F__
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const bf16* p) {
+  __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+#endif
+
+#ifdef DEEPINFER_DPBF16
+// s[t] = scale * (q . k[t]) for t < n, D % 32 == 0: bf16 pairs dotted by `vdpbf16ps`, four keys
+// at a time so their dot chains overlap.
+inline void dp_scores(const bf16* q, float scale, const bf16* const* k, int64_t n, int64_t D, float* s) {
+  auto at = [](const bf16* p) { return (__m512bh)_mm512_loadu_si512(p); };
+  int64_t t = 0;
+  for (; t + 4 <= n; t += 4) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int64_t d = 0; d < D; d += 32) {
+      const __m512bh qv = at(q + d);
+      a0 = _mm512_dpbf16_ps(a0, qv, at(k[t] + d));
+      a1 = _mm512_dpbf16_ps(a1, qv, at(k[t + 1] + d));
+      a2 = _mm512_dpbf16_ps(a2, qv, at(k[t + 2] + d));
+      a3 = _mm512_dpbf16_ps(a3, qv, at(k[t + 3] + d));
+    }
+    s[t] = scale * _mm512_reduce_add_ps(a0), s[t + 1] = scale * _mm512_reduce_add_ps(a1);
+    s[t + 2] = scale * _mm512_reduce_add_ps(a2), s[t + 3] = scale * _mm512_reduce_add_ps(a3);
+  }
+  for (; t < n; ++t) {
+    __m512 a = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d += 32) a = _mm512_dpbf16_ps(a, at(q + d), at(k[t] + d));
+    s[t] = scale * _mm512_reduce_add_ps(a);
+  }
+}
+#endif
+
 // s[t] = q . k[t] for t < n; four keys at a time, so the FMAs of one key do not wait on each other
 template <typename T>
 inline void scores(const float* q, const T* const* k, int64_t n, int64_t D, float* s) {
@@ -105,6 +148,18 @@ inline void scores(const float* q, const T* const* k, int64_t n, int64_t D, floa
 template <typename T>
 inline void accumulate(float* acc, float c, const float* p, const T* const* v, int64_t n, int64_t Dv) {
   int64_t d = 0;
+#ifdef __AVX512F__
+  const __m512 cw = _mm512_set1_ps(c);
+  for (; d + 64 <= Dv; d += 64) {
+    __m512 a[4];
+    for (int i = 0; i < 4; ++i) a[i] = _mm512_mul_ps(cw, _mm512_loadu_ps(acc + d + 16 * i));
+    for (int64_t t = 0; t < n; ++t) {
+      const __m512 pv = _mm512_set1_ps(p[t]);
+      for (int i = 0; i < 4; ++i) a[i] = _mm512_fmadd_ps(pv, load16(v[t] + d + 16 * i), a[i]);
+    }
+    for (int i = 0; i < 4; ++i) _mm512_storeu_ps(acc + d + 16 * i, a[i]);
+  }
+#endif
 #ifdef __AVX2__
   const __m256 cv = _mm256_set1_ps(c);
   for (; d + 64 <= Dv; d += 64) {
@@ -154,6 +209,23 @@ struct Item {
   int64_t b, begin, end;  // sequence, positions [begin, end) of its keys
 };
 
+// Asks for the K and V rows of the block from pos0 ahead of use: the rows of a head are short
+// (D values) runs spread over pages, which the hardware prefetcher does not follow.
+template <typename T>
+inline void prefetch_block(const Item& it, int64_t pos0, int64_t first, const int64_t* table, int64_t S, const T* k,
+                           const at::IntArrayRef ks, int64_t D, const T* v, const at::IntArrayRef vs, int64_t Dv) {
+#ifdef __AVX2__
+  const int64_t n = std::min(kBlock, it.end - pos0);
+  for (int64_t t = 0, p = (pos0 - first) / S, off = (pos0 - first) % S; t < n; ++t, off = off + 1 == S ? (++p, 0) : off + 1) {
+    const int64_t page = table[p];
+    const char* kr = reinterpret_cast<const char*>(k + page * ks[0] + off * ks[1]);
+    const char* vr = reinterpret_cast<const char*>(v + page * vs[0] + off * vs[1]);
+    for (int64_t b = 0; b < D * static_cast<int64_t>(sizeof(T)); b += 64) _mm_prefetch(kr + b, _MM_HINT_T0);
+    for (int64_t b = 0; b < Dv * static_cast<int64_t>(sizeof(T)); b += 64) _mm_prefetch(vr + b, _MM_HINT_T0);
+  }
+#endif
+}
+
 // One item of one kv head: partial[g] = (max, sum, acc[Dv]) over its keys.
 template <typename T>
 void attend_chunk(const Item& it, int64_t h, const T* q, const T* k, const T* v, const int64_t* pages,
@@ -175,16 +247,26 @@ void attend_chunk(const Item& it, int64_t h, const T* q, const T* k, const T* v,
   const T* vrow[kBlock];
   for (int64_t pos0 = it.begin; pos0 < it.end; pos0 += kBlock) {
     const int64_t n = std::min(kBlock, it.end - pos0);
-    for (int64_t t = 0; t < n; ++t) {
-      const int64_t j = pos0 + t - first;
-      const int64_t page = table[j / S], off = j % S;
+    // page and slot stepped key by key: a division per key costs as much as scoring it
+    for (int64_t t = 0, p = (pos0 - first) / S, off = (pos0 - first) % S; t < n; ++t, off = off + 1 == S ? (++p, 0) : off + 1) {
+      const int64_t page = table[p];
       krow[t] = k + page * ks[0] + off * ks[1] + h * ks[2];
       vrow[t] = v + page * vs[0] + off * vs[1] + h * vs[2];
     }
+    prefetch_block(it, pos0 + kBlock, first, table, S, k + h * ks[2], ks, D, v + h * vs[2], vs, Dv);
     for (int64_t g = 0; g < G; ++g) {
       const float* qg = qf.data() + g * D;
       float* s = sc.data() + g * kBlock;
+#ifdef DEEPINFER_DPBF16
+      if constexpr (std::is_same_v<T, bf16>) {
+        if (D % 32 == 0) dp_scores(q + (it.b * Hq + h * G + g) * D, scale, krow, n, D, s);
+        else scores(qg, krow, n, D, s);
+      } else {
+        scores(qg, krow, n, D, s);
+      }
+#else
       scores(qg, krow, n, D, s);
+#endif
       float* p = part + g * row;
       const float m_new = std::max(p[0], *std::max_element(s, s + n));
       const float c = std::exp(p[0] - m_new);  // 0 for the first block (max -inf)
@@ -292,9 +374,13 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   return out;
 }
 
-// "avx2" or "scalar": which code this build holds.
+// "avx512_bf16", "avx512", "avx2" or "scalar": which code this build holds.
 std::string isa() {
-#ifdef __AVX2__
+#if defined(DEEPINFER_DPBF16)
+  return "avx512_bf16";
+#elif defined(__AVX512F__)
+  return "avx512";
+#elif defined(__AVX2__)
   return "avx2";
 #else
   return "scalar";
