@@ -118,6 +118,8 @@ class EngineConfig:
                              f"got {self.attention_backend!r}")
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be auto or one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.speculative_config is not None and self.speculative_config.method == "none":
+            self.speculative_config = None  # one way to say off downstream
 
     def disk_cache_path(self) -> str | None:
         """The L3 directory, or None when L3 is off."""

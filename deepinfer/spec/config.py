@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-METHODS = ("ngram", "suffix", "draft_model")
+METHODS = ("auto", "ngram", "suffix", "draft_model", "none")
 
 
 @dataclass
 class SpeculativeConfig:
-    # ngram: prompt lookup in the request itself; suffix: index shared by requests;
-    # draft_model: a small model sharing the target's tokenizer (``model``)
+    # ngram: prompt lookup in the request itself; suffix: index shared by requests; auto: both,
+    # the better calibrated draft per request and step; draft_model: a small model sharing the
+    # target's tokenizer (``model``); none: no speculative decoding
     method: str = "ngram"
     num_tokens: int = 3  # k: the most draft tokens proposed (and, fixed-k, verified) per request per step
     scheduled: bool = False  # True: Algorithm 1 picks how many of each draft to verify from confidences
