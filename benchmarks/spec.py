@@ -1,4 +1,5 @@
-"""Speculative decoding: off vs fixed k=3 vs fixed k=5 vs scheduled (Algorithm 1), one run.
+"""Speculative decoding: off vs fixed k=3 vs fixed k=5 vs scheduled (Algorithm 1) vs the
+engine's default (method auto, scheduled), one run.
 
 Workloads (one user at a time, greedy, chat template): ``code`` (rewrite a given Python file
 with one small change: the reply mostly copies the prompt), ``agent`` (answer from a tool output
@@ -84,13 +85,14 @@ WARM_UP = "Say hello."
 def modes(method: str, draft: str | None, draft_quantization: str | None
           ) -> dict[str, SpeculativeConfig | None]:
     out: dict[str, SpeculativeConfig | None] = {
-        "off": None,
-        "k=3": SpeculativeConfig(method=method, num_tokens=3),
-        "k=5": SpeculativeConfig(method=method, num_tokens=5),
-        "scheduled": SpeculativeConfig(method=method, num_tokens=8, scheduled=True)}
+        "off": None,  # built first, with method none
+        "k=3": SpeculativeConfig(method=method, num_tokens=3, scheduled=False),
+        "k=5": SpeculativeConfig(method=method, num_tokens=5, scheduled=False),
+        "scheduled": SpeculativeConfig(method=method, num_tokens=8, scheduled=True),
+        "default": SpeculativeConfig()}  # the engine's default: auto, scheduled, k <= 8
     if draft is not None:
         out["draft k=4"] = SpeculativeConfig(method="draft_model", model=draft, num_tokens=4,
-                                             draft_quantization=draft_quantization)
+                                             scheduled=False, draft_quantization=draft_quantization)
     return out
 
 
@@ -99,7 +101,7 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--method", default="ngram", choices=["ngram", "suffix"])
+    ap.add_argument("--method", default="ngram", choices=["ngram", "suffix", "auto"])
     ap.add_argument("--draft-model", default=None, help="adds a draft-model mode; self: the target")
     ap.add_argument("--draft-quantization", default=None, choices=["none", "int8", "int4"])
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
@@ -114,7 +116,7 @@ def main() -> None:
         args.max_tokens, args.repeats = 96, 1
     engine_args = dict(dtype=args.dtype, quantization=args.quantization, kv_cache_memory_gb=0.5, host_cache_gb=0, enable_disk_cache=False,
                        enable_prefix_cache=False, progress=False)
-    llms = {"off": LLM(args.model, **engine_args)}
+    llms = {"off": LLM(args.model, speculative_config=SpeculativeConfig(method="none"), **engine_args)}
     draft = str(llms["off"].engine.checkpoint_path) if args.draft_model == "self" else args.draft_model
     for m, sc in modes(args.method, draft, args.draft_quantization).items():
         if sc is not None:

@@ -12,9 +12,9 @@ class SpeculativeConfig:
     # ngram: prompt lookup in the request itself; suffix: index shared by requests; auto: both,
     # the better calibrated draft per request and step; draft_model: a small model sharing the
     # target's tokenizer (``model``); none: no speculative decoding
-    method: str = "ngram"
-    num_tokens: int = 3  # k: the most draft tokens proposed (and, fixed-k, verified) per request per step
-    scheduled: bool = False  # True: Algorithm 1 picks how many of each draft to verify from confidences
+    method: str = "auto"
+    num_tokens: int = 8  # k: the most draft tokens proposed (and, fixed-k, verified) per request per step
+    scheduled: bool = True  # Algorithm 1 picks how many of each draft to verify; False: fixed k
     ngram_min: int = 1  # shortest suffix match that yields a draft
     ngram_max: int = 4  # longest suffix matched
     # SPS(B) profile for the scheduler: verify steps per second at these batch token counts;

@@ -23,9 +23,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
 SPECS = {
-    "ngram-k3": SpeculativeConfig(method="ngram", num_tokens=3),
-    "suffix-k5": SpeculativeConfig(method="suffix", num_tokens=5),
-    "auto-k5": SpeculativeConfig(method="auto", num_tokens=5),
+    "ngram-k3": SpeculativeConfig(method="ngram", num_tokens=3, scheduled=False),
+    "suffix-k5": SpeculativeConfig(method="suffix", num_tokens=5, scheduled=False),
+    "auto-k5": SpeculativeConfig(method="auto", num_tokens=5, scheduled=False),
     # a fixed profile where a verified token costs 2% of a step: the scheduler verifies some
     "scheduled": SpeculativeConfig(method="ngram", num_tokens=5, scheduled=True,
                                    sps_tokens=(1, 64), sps_steps_per_s=(100.0, 100.0 / 2.26)),
