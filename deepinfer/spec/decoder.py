@@ -56,9 +56,12 @@ class SpeculativeDecoder:
     def _room(self, req: Request) -> int:
         """Draft tokens ``req`` may verify now: each step emits them plus one more token.
         Requests whose sampling reads more than the logits (logprobs, bias, penalties, a
-        grammar) are not speculated."""
+        grammar) are not speculated; under ``auto`` sampled ones neither, since a weight-free
+        draft of a sampled reply is rarely accepted (README "Speculative decoding")."""
         p = req.params
         if p.logprobs is not None or p.logit_bias or p.penalized or req.grammar is not None:
+            return 0
+        if self.config.method == "auto" and not p.greedy:
             return 0
         return max(0, min(self.k, p.max_tokens - len(req.output_token_ids) - 1,
                           self.max_model_len - req.num_tokens - 1))

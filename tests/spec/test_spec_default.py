@@ -56,3 +56,17 @@ def test_default_engine_speculates_and_matches_plain_greedy(tiny_llama):
     # how much is verified depends on the SPS profile measured here; drafting does not
     assert all(o.num_drafted_tokens > 0 for o in outs)
     assert set(default.engine.stats()["spec_drafted_tokens_total"]) == {"ngram", "suffix"}
+
+
+def test_auto_leaves_sampled_requests_plain(tiny_llama):
+    kw = dict(page_size=4, num_pages=512, max_num_batched_tokens=256, progress=False, threads=1,
+              enable_disk_cache=False, dtype="float32", device="cpu")
+    # nearly greedy, so prompt lookup has drafts for it (see the explicit ngram engine below)
+    sampled = SamplingParams(max_tokens=20, temperature=0.05, seed=3, ignore_eos=True)
+    ps = prompts(2, 14, seed=6)
+    auto = LLM(str(tiny_llama), **kw).generate(ps, sampled)
+    assert all(o.num_drafted_tokens == 0 for o in auto)  # auto: greedy requests only
+    plain = LLM(str(tiny_llama), speculative_config={"method": "none"}, **kw).generate(ps, sampled)
+    assert [o.token_ids for o in auto] == [o.token_ids for o in plain]  # same seeded draws
+    ngram = LLM(str(tiny_llama), speculative_config={"method": "ngram", "scheduled": False}, **kw)
+    assert sum(o.num_drafted_tokens for o in ngram.generate(ps, sampled)) > 0  # explicit: drafted
