@@ -41,7 +41,8 @@ class SpeculativeDecoder:
     def __init__(self, config: SpeculativeConfig, source: DraftSource, drafts_from: list[str],
                  calibrator: Calibrator, runner: ModelRunner, kv: KVCacheManager, max_span: int,
                  max_model_len: int, sps: SpsByContext | None) -> None:
-        """``drafts_from``: the sources whose names the drafts carry (``auto``: several)."""
+        """``drafts_from``: the sources whose names the drafts carry (``auto``: several), in the
+        metrics from the start; a source named otherwise is counted from its first draft."""
         self.config = config
         self.runner = runner
         self.kv = kv
@@ -75,7 +76,7 @@ class SpeculativeDecoder:
             req.spec.source = self.source.name
             if d.tokens:
                 req.spec.drafted += len(d.tokens)
-                self.totals[d.source].drafted += len(d.tokens)
+                self.totals.setdefault(d.source, SpecCounters()).drafted += len(d.tokens)
                 drafts[req] = d
         reqs = list(drafts)
         if self.sps is None or not self.config.scheduled or not reqs:
@@ -116,7 +117,7 @@ class SpeculativeDecoder:
             tokens = verify(rows, d.tokens, r.params, self.runner.request_generator(r), d.probs)
             accepted = len(tokens) - 1
             self.calibrator.update(d.source, d.features, accepted)
-            for c in (r.spec, self.totals[d.source]):
+            for c in (r.spec, self.totals.setdefault(d.source, SpecCounters())):
                 c.verified += len(d.tokens)
                 c.accepted += accepted
                 c.steps += 1
