@@ -1,4 +1,5 @@
-"""Speculative decoding: off vs fixed k=3 vs fixed k=5 vs scheduled (Algorithm 1), one run.
+"""Speculative decoding: off vs fixed k=3 vs fixed k=5 vs scheduled (Algorithm 1) vs the
+engine's default (method auto, scheduled), one run.
 
 Workloads (one user at a time, greedy, chat template): ``code`` (rewrite a given Python file
 with one small change: the reply mostly copies the prompt), ``agent`` (answer from a tool output
@@ -12,7 +13,12 @@ verified and accepted tokens, mean accepted per verify step, speed-up over off, 
 greedy output equals off's token for token.
 
     python benchmarks/spec.py [--model PATH] [--max-tokens 256] [--repeats 3] [--method ngram]
-                              [--draft-model PATH|self [--draft-quantization int4]]
+                              [--dtype auto] [--quantization none|int8|int4] [--temperature T]
+                              [--users N] [--quick] [--draft-model PATH|self [--draft-quantization int4]]
+
+``--quick``: 96 tokens, one repeat, the first prompt of each workload. ``--users N`` sends N
+copies of each prompt at once (a batch of N; per-user figures are their mean). With
+``--temperature`` > 0 (seeded) outputs are not compared (a different draw is not a difference).
 
 ``--draft-model`` adds a ``draft k=4`` mode (method draft_model; ``self``: the target model as
 its own draft, e.g. int4-quantized). SmolLM2-135M has no smaller sibling available offline, so
@@ -79,13 +85,14 @@ WARM_UP = "Say hello."
 def modes(method: str, draft: str | None, draft_quantization: str | None
           ) -> dict[str, SpeculativeConfig | None]:
     out: dict[str, SpeculativeConfig | None] = {
-        "off": None,
-        "k=3": SpeculativeConfig(method=method, num_tokens=3),
-        "k=5": SpeculativeConfig(method=method, num_tokens=5),
-        "scheduled": SpeculativeConfig(method=method, num_tokens=8, scheduled=True)}
+        "off": None,  # built first, with method none
+        "k=3": SpeculativeConfig(method=method, num_tokens=3, scheduled=False),
+        "k=5": SpeculativeConfig(method=method, num_tokens=5, scheduled=False),
+        "scheduled": SpeculativeConfig(method=method, num_tokens=8, scheduled=True),
+        "default": SpeculativeConfig()}  # the engine's default: auto, scheduled, k <= 8
     if draft is not None:
         out["draft k=4"] = SpeculativeConfig(method="draft_model", model=draft, num_tokens=4,
-                                             draft_quantization=draft_quantization)
+                                             scheduled=False, draft_quantization=draft_quantization)
     return out
 
 
@@ -94,20 +101,27 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="default: the embedded SmolLM2-135M-Instruct")
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--method", default="ngram", choices=["ngram", "suffix"])
+    ap.add_argument("--method", default="ngram", choices=["ngram", "suffix", "auto"])
     ap.add_argument("--draft-model", default=None, help="adds a draft-model mode; self: the target")
     ap.add_argument("--draft-quantization", default=None, choices=["none", "int8", "int4"])
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--quantization", default="none", choices=["none", "int8", "int4"])
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--users", type=int, default=1, help="copies of each prompt sent at once")
+    ap.add_argument("--quick", action="store_true", help="96 tokens, 1 repeat, 1 prompt per workload")
     ap.add_argument("--out", default="results/spec")
     args = ap.parse_args()
-    engine_args = dict(kv_cache_memory_gb=0.5, host_cache_gb=0, enable_disk_cache=False,
+    if args.quick:
+        args.max_tokens, args.repeats = 96, 1
+    engine_args = dict(dtype=args.dtype, quantization=args.quantization, kv_cache_memory_gb=0.5, host_cache_gb=0, enable_disk_cache=False,
                        enable_prefix_cache=False, progress=False)
-    llms = {"off": LLM(args.model, **engine_args)}
+    llms = {"off": LLM(args.model, speculative_config=SpeculativeConfig(method="none"), **engine_args)}
     draft = str(llms["off"].engine.checkpoint_path) if args.draft_model == "self" else args.draft_model
     for m, sc in modes(args.method, draft, args.draft_quantization).items():
         if sc is not None:
             llms[m] = LLM(args.model, speculative_config=sc, **engine_args)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=0)
     for llm in llms.values():  # not counted: the scheduled mode measures its SPS profile here
         llm.chat([{"role": "user", "content": WARM_UP}], SamplingParams(max_tokens=16, temperature=0.0))
     rows = []
@@ -115,19 +129,21 @@ def main() -> None:
         acc = {m: dict(decode_s=0.0, decoded=0, total_s=0.0, drafted=0, verified=0, accepted=0,
                        steps=0, identical=True) for m in llms}
         for _ in range(args.repeats):
-            for prompt in WORKLOADS[wl]:
+            for prompt in WORKLOADS[wl][:1] if args.quick else WORKLOADS[wl]:
                 ref = None
                 for m, llm in llms.items():  # modes interleaved on every prompt
-                    out = llm.chat([{"role": "user", "content": prompt}], params)[0]
+                    outs = llm.chat([[{"role": "user", "content": prompt}]] * args.users, params)
                     a = acc[m]
-                    a["decode_s"] += out.latency - out.ttft
-                    a["decoded"] += len(out.token_ids) - 1
-                    a["total_s"] += out.latency
-                    for k, v in (("drafted", out.num_drafted_tokens), ("verified", out.num_verified_tokens),
-                                 ("accepted", out.num_accepted_tokens), ("steps", out.num_verify_steps)):
-                        a[k] += v
-                    ref = out.token_ids if ref is None else ref
-                    a["identical"] &= out.token_ids == ref
+                    for out in outs:
+                        a["decode_s"] += (out.latency - out.ttft) / args.users
+                        a["decoded"] += (len(out.token_ids) - 1) / args.users
+                        a["total_s"] += out.latency / args.users
+                        for k, v in (("drafted", out.num_drafted_tokens), ("verified", out.num_verified_tokens),
+                                     ("accepted", out.num_accepted_tokens), ("steps", out.num_verify_steps)):
+                            a[k] += v
+                    ids = [out.token_ids for out in outs]
+                    ref = ids if ref is None else ref
+                    a["identical"] &= ids == ref
         base = acc["off"]["decoded"] / acc["off"]["decode_s"]
         for m, a in acc.items():
             tps = a["decoded"] / a["decode_s"]
@@ -136,13 +152,15 @@ def main() -> None:
                              drafted=a["drafted"], verified=a["verified"], accepted=a["accepted"],
                              acceptance=round(a["accepted"] / a["verified"], 3) if a["verified"] else 0.0,
                              accepted_per_step=round(a["accepted"] / a["steps"], 2) if a["steps"] else 0.0,
-                             identical_to_off=a["identical"]))
+                             identical_to_off=a["identical"] if args.temperature == 0 else None))
             print(json.dumps(rows[-1]), flush=True)  # progress: one line per mode as it is done
     cpu = lscpu_model()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "summary.json").write_text(json.dumps(dict(cpu=cpu, args=vars(args), rows=rows), indent=2))
-    print(f"CPU: {cpu}; method {args.method}, max_tokens {args.max_tokens}, repeats {args.repeats}"
+    print(f"CPU: {cpu}; method {args.method}, max_tokens {args.max_tokens}, repeats {args.repeats}, "
+          f"dtype {args.dtype}, quantization {args.quantization}, temperature {args.temperature}, "
+          f"users {args.users}"
           + (f", draft {args.draft_model} ({args.draft_quantization or 'as the target'})"
              if args.draft_model else ""))
     cols = list(rows[0])

@@ -109,26 +109,28 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
     from .spec.config import METHODS
 
     d = SpeculativeConfig()
-    s = p.add_argument_group("speculative decoding (off unless --speculative-method is given)")
-    s.add_argument("--speculative-method", default=None, choices=METHODS,
-                   help="ngram: prompt lookup in the request; suffix: continuations seen in "
-                        "other requests and earlier turns; draft_model: --speculative-draft-model")
+    s = p.add_argument_group("speculative decoding (on: auto, scheduled; none turns it off)")
+    s.add_argument("--speculative-method", default=d.method, choices=METHODS,
+                   help="auto (ngram or suffix, whichever is calibrated better per request; off "
+                        "with --overlap-schedule or --kv-stream-layers); ngram: prompt lookup in "
+                        "the request; suffix: continuations seen in other requests and earlier "
+                        "turns; draft_model: --speculative-draft-model; none: off")
     s.add_argument("--speculative-draft-model", default=None, metavar="PATH",
                    help="a small model sharing the target's tokenizer drafts (implies "
                         "--speculative-method draft_model)")
     s.add_argument("--speculative-num-tokens", type=int, default=d.num_tokens,
                    help="k: draft tokens per request per step (fixed-k verifies all of them)")
-    s.add_argument("--speculative-scheduled", action="store_true",
+    s.add_argument("--speculative-scheduled", action=argparse.BooleanOptionalAction, default=d.scheduled,
                    help="verify what Algorithm 1 picks from calibrated confidences and the "
-                        "SPS(B) profile measured at start-up, instead of a fixed k")
+                        "SPS(B) profile measured on the engine (--no-speculative-scheduled: fixed k)")
     s.add_argument("--speculative-ngram-min", type=int, default=d.ngram_min)
     s.add_argument("--speculative-ngram-max", type=int, default=d.ngram_max)
 
 
-def speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
-    method = args.speculative_method or ("draft_model" if args.speculative_draft_model else None)
-    if method is None:
-        return None
+def speculative_config(args: argparse.Namespace) -> SpeculativeConfig:
+    method = args.speculative_method
+    if args.speculative_draft_model and method == "auto":
+        method = "draft_model"
     return SpeculativeConfig(method=method, num_tokens=args.speculative_num_tokens,
                              model=args.speculative_draft_model,
                              scheduled=args.speculative_scheduled,

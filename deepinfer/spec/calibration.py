@@ -5,7 +5,8 @@ Each (source, position, feature) bin keeps accepted / tried counts under a Beta 
 unseen bin starts at the prior mean and moves to its observed rate as outcomes arrive. The
 default prior is optimistic (mean 0.9, weight 2): the scheduler only learns a bin's rate by
 verifying it, so a new bin gets tried, and two rejections bring it below one half. A
-rolling window of (predicted, outcome) pairs gives the expected calibration error (ECE).
+rolling window of (predicted, outcome) pairs per source gives its expected calibration error
+(ECE).
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ class Calibrator:
     def __init__(self, window: int, prior_accept: float = 1.8, prior_reject: float = 0.2) -> None:
         self.prior = (prior_accept, prior_reject)
         self.counts: dict[tuple[str, int, int], list[int]] = {}  # bin -> [accepted, tried]
-        self.recent: deque[tuple[float, bool]] = deque(maxlen=window)
+        self.window = window
+        self.recent: dict[str, deque[tuple[float, bool]]] = {}  # source -> (predicted, outcome)
 
     def confidence(self, source: str, position: int, feature: int) -> float:
         acc, tried = self.counts.get((source, position, feature), (0, 0))
@@ -41,19 +43,21 @@ class Calibrator:
         """Record one verification of ``features`` (the verified prefix) that accepted
         ``accepted`` tokens: positions before it were accepted, the one at it rejected, those
         after it were never tried under the condition c is defined on."""
+        recent = self.recent.setdefault(source, deque(maxlen=self.window))
         for j, f in enumerate(features[: accepted + 1]):
             ok = j < accepted
-            self.recent.append((self.confidence(source, j, f), ok))
+            recent.append((self.confidence(source, j, f), ok))
             cell = self.counts.setdefault((source, j, f), [0, 0])
             cell[0] += ok
             cell[1] += 1
 
-    def ece(self) -> float:
-        """Expected calibration error over the rolling window (0 when empty)."""
-        if not self.recent:
+    def ece(self, source: str) -> float:
+        """Expected calibration error of ``source`` over its rolling window (0 when empty)."""
+        recent = self.recent.get(source)
+        if not recent:
             return 0.0
         bins: list[list[tuple[float, bool]]] = [[] for _ in range(ECE_BINS)]
-        for p, ok in self.recent:
+        for p, ok in recent:
             bins[min(int(p * ECE_BINS), ECE_BINS - 1)].append((p, ok))
-        total = len(self.recent)
+        total = len(recent)
         return sum(abs(sum(p for p, _ in b) - sum(ok for _, ok in b)) / total for b in bins if b)

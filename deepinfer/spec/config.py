@@ -4,16 +4,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-METHODS = ("ngram", "suffix", "draft_model")
+METHODS = ("auto", "ngram", "suffix", "draft_model", "none")
 
 
 @dataclass
 class SpeculativeConfig:
-    # ngram: prompt lookup in the request itself; suffix: index shared by requests;
-    # draft_model: a small model sharing the target's tokenizer (``model``)
-    method: str = "ngram"
-    num_tokens: int = 3  # k: the most draft tokens proposed (and, fixed-k, verified) per request per step
-    scheduled: bool = False  # True: Algorithm 1 picks how many of each draft to verify from confidences
+    # ngram: prompt lookup in the request itself; suffix: index shared by requests; auto: both,
+    # the better calibrated draft per request and step; draft_model: a small model sharing the
+    # target's tokenizer (``model``); none: no speculative decoding
+    method: str = "auto"
+    num_tokens: int = 8  # k: the most draft tokens proposed (and, fixed-k, verified) per request per step
+    scheduled: bool = True  # Algorithm 1 picks how many of each draft to verify; False: fixed k
     ngram_min: int = 1  # shortest suffix match that yields a draft
     ngram_max: int = 4  # longest suffix matched
     # SPS(B) profile for the scheduler: verify steps per second at these batch token counts;

@@ -38,25 +38,31 @@ class SpecStep:
 
 
 class SpeculativeDecoder:
-    def __init__(self, config: SpeculativeConfig, source: DraftSource, runner: ModelRunner,
-                 kv: KVCacheManager, max_span: int, max_model_len: int, sps: SpsByContext | None) -> None:
+    def __init__(self, config: SpeculativeConfig, source: DraftSource, drafts_from: list[str],
+                 calibrator: Calibrator, runner: ModelRunner, kv: KVCacheManager, max_span: int,
+                 max_model_len: int, sps: SpsByContext | None) -> None:
+        """``drafts_from``: the sources whose names the drafts carry (``auto``: several), in the
+        metrics from the start; a source named otherwise is counted from its first draft."""
         self.config = config
         self.runner = runner
         self.kv = kv
         self.k = min(config.num_tokens, max_span - 1)  # a verify span fits one prefill chunk
         self.max_model_len = max_model_len
         self.source = source
-        self.calibrator = Calibrator(config.calibration_window)
+        self.calibrator = calibrator
         self.sps = sps
-        self.totals = SpecCounters()
+        self.totals = {name: SpecCounters() for name in drafts_from}
 
     # ------------------------------------------------------------------ drafting
     def _room(self, req: Request) -> int:
         """Draft tokens ``req`` may verify now: each step emits them plus one more token.
         Requests whose sampling reads more than the logits (logprobs, bias, penalties, a
-        grammar) are not speculated."""
+        grammar) are not speculated; under ``auto`` sampled ones neither, since a weight-free
+        draft of a sampled reply is rarely accepted (README "Speculative decoding")."""
         p = req.params
         if p.logprobs is not None or p.logit_bias or p.penalized or req.grammar is not None:
+            return 0
+        if self.config.method == "auto" and not p.greedy:
             return 0
         return max(0, min(self.k, p.max_tokens - len(req.output_token_ids) - 1,
                           self.max_model_len - req.num_tokens - 1))
@@ -68,9 +74,9 @@ class SpeculativeDecoder:
         drafts: dict[Request, Draft] = {}
         for (req, _), d in zip(asks, self.source.propose_batch(asks)):
             req.spec.source = self.source.name
-            req.spec.drafted += len(d.tokens)
-            self.totals.drafted += len(d.tokens)
             if d.tokens:
+                req.spec.drafted += len(d.tokens)
+                self.totals.setdefault(d.source, SpecCounters()).drafted += len(d.tokens)
                 drafts[req] = d
         reqs = list(drafts)
         if self.sps is None or not self.config.scheduled or not reqs:
@@ -111,7 +117,7 @@ class SpeculativeDecoder:
             tokens = verify(rows, d.tokens, r.params, self.runner.request_generator(r), d.probs)
             accepted = len(tokens) - 1
             self.calibrator.update(d.source, d.features, accepted)
-            for c in (r.spec, self.totals):
+            for c in (r.spec, self.totals.setdefault(d.source, SpecCounters())):
                 c.verified += len(d.tokens)
                 c.accepted += accepted
                 c.steps += 1
@@ -125,12 +131,13 @@ class SpeculativeDecoder:
         self.source.finished(req)
 
     def stats(self) -> dict[str, dict[str, float]]:
-        t, src = self.totals, self.source.name
+        """Counters and calibration error by draft source."""
+        t = self.totals
         return {
-            "spec_drafted_tokens_total": {src: t.drafted},
-            "spec_verified_tokens_total": {src: t.verified},
-            "spec_accepted_tokens_total": {src: t.accepted},
-            "spec_verify_steps_total": {src: t.steps},
-            "spec_mean_accepted_tokens": {src: t.mean_accepted},
-            "spec_calibration_ece": {src: self.calibrator.ece()},
+            "spec_drafted_tokens_total": {s: c.drafted for s, c in t.items()},
+            "spec_verified_tokens_total": {s: c.verified for s, c in t.items()},
+            "spec_accepted_tokens_total": {s: c.accepted for s, c in t.items()},
+            "spec_verify_steps_total": {s: c.steps for s, c in t.items()},
+            "spec_mean_accepted_tokens": {s: c.mean_accepted for s, c in t.items()},
+            "spec_calibration_ece": {s: self.calibrator.ece(s) for s in t},
         }

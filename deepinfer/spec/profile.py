@@ -34,7 +34,7 @@ class SpsByContext:
     """SPS profiles per context bucket; ``fixed``: one given profile for every context."""
 
     def __init__(self, runner: ModelRunner, kv: KVCacheManager, max_tokens: int,
-                 fixed: SpsProfile | None = None, repeats: int = 2) -> None:
+                 fixed: SpsProfile | None = None, repeats: int = 3) -> None:
         self.runner, self.kv = runner, kv
         self.sizes = [b for b in SIZES if b <= max_tokens] or [1]
         self.fixed = fixed
@@ -55,23 +55,29 @@ class SpsByContext:
         return self.profiles[bucket]
 
     def _measure(self, req: Request) -> SpsProfile:
-        last = req.all_token_ids[-1]
-        rates = []
-        for b in self.sizes:
-            req.output_token_ids += [last] * (b - 1)
-            try:
-                times = []
-                for _ in range(self.repeats + 1):  # the first run warms up
-                    _sync(self.runner.device)
-                    t0 = time.perf_counter()
-                    self.runner.forward_spans([(req, b)], {req: b} if b > 1 else {})
-                    _sync(self.runner.device)
-                    times.append(time.perf_counter() - t0)
-            finally:
-                if b > 1:
-                    del req.output_token_ids[-(b - 1):]
-            rates.append(1.0 / min(times[1:]))
-        return SpsProfile(self.sizes, rates)
+        """Each size's best time over ``repeats`` rounds, the sizes interleaved in every round
+        (after one warm-up round), so a burst of load on a shared machine slows one round of
+        every size rather than all the runs of one size, which would misprice it for good."""
+        best = [float("inf")] * len(self.sizes)
+        for rnd in range(self.repeats + 1):
+            for i, b in enumerate(self.sizes):
+                t = self._time(req, b)
+                if rnd:
+                    best[i] = min(best[i], t)
+        return SpsProfile(self.sizes, [1.0 / t for t in best])
+
+    def _time(self, req: Request, b: int) -> float:
+        """Seconds of one step of ``req`` with ``b`` tokens (its last one, repeated)."""
+        req.output_token_ids += [req.all_token_ids[-1]] * (b - 1)
+        try:
+            _sync(self.runner.device)
+            t0 = time.perf_counter()
+            self.runner.forward_spans([(req, b)], {req: b} if b > 1 else {})
+            _sync(self.runner.device)
+            return time.perf_counter() - t0
+        finally:
+            if b > 1:
+                del req.output_token_ids[-(b - 1):]
 
 
 def _sync(device: torch.device) -> None:

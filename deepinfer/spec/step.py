@@ -11,9 +11,11 @@ from ..kv.cache_manager import KVCacheManager
 from ..loader import Checkpoint
 from ..model_runner import ModelRunner
 from ..request import Request
+from .auto_drafter import AutoDrafter
+from .calibration import Calibrator
 from .decoder import SpeculativeDecoder
 from .draft_model import build_draft_model
-from .drafters import DraftSource, NgramDrafter, SuffixDrafter
+from .drafters import DraftSource, NgramDrafter, SuffixDrafter, TokenDrafter
 from .profile import SpsByContext
 from .verify_schedule import SpsProfile
 
@@ -23,12 +25,19 @@ def build_decoder(config: EngineConfig, ckpt: Checkpoint, runner: ModelRunner, k
     """The decoder of ``config.speculative_config`` with its draft source; scheduled mode takes
     the given steps/s profile or measures one per context as requests reach it."""
     sc = config.speculative_config
-    assert sc is not None
+    assert sc is not None and sc.method != "none"
+    calibrator = Calibrator(sc.calibration_window)
     source: DraftSource
+    drafts_from: list[str] | None = None
     if sc.method == "draft_model":
         source = build_draft_model(sc, config, ckpt, runner, max_model_len)
     elif sc.method == "suffix":
         source = SuffixDrafter(sc.ngram_min, sc.ngram_max)
+    elif sc.method == "auto":
+        parts: list[TokenDrafter] = [NgramDrafter(sc.ngram_min, sc.ngram_max),
+                                     SuffixDrafter(sc.ngram_min, sc.ngram_max)]
+        source = AutoDrafter(parts, calibrator)
+        drafts_from = [p.name for p in parts]  # the drafts carry their own source's name
     else:
         source = NgramDrafter(sc.ngram_min, sc.ngram_max)
     sps = None
@@ -36,7 +45,8 @@ def build_decoder(config: EngineConfig, ckpt: Checkpoint, runner: ModelRunner, k
         fixed = (None if sc.sps_tokens is None else
                  SpsProfile(list(sc.sps_tokens), list(sc.sps_steps_per_s or ())))
         sps = SpsByContext(runner, kv, min(sc.num_tokens + 1, span), fixed)
-    return SpeculativeDecoder(sc, source, runner, kv, span, max_model_len, sps)
+    return SpeculativeDecoder(sc, source, drafts_from or [source.name], calibrator, runner, kv, span,
+                              max_model_len, sps)
 
 
 def emit_verified(verified: list[tuple[Request, list[int]]], kv: KVCacheManager,

@@ -36,9 +36,12 @@ def test_ece_is_small_when_calibrated_and_large_when_not():
     for _ in range(5000):  # true rate 0.8 in bin 1, 0.2 in bin 2
         f = rng.choice([1, 2])
         c.update("ngram", [f], int(rng.random() < (0.8 if f == 1 else 0.2)))
-    assert c.ece() < 0.05
+    assert c.ece("ngram") < 0.05
     biased = Calibrator(window=100, prior_accept=1000.0, prior_reject=1.0)  # claims ~1.0
     for _ in range(100):
         biased.update("ngram", [0], 0)
-    assert biased.ece() > 0.8
-    assert Calibrator(window=10).ece() == 0.0
+    assert biased.ece("ngram") > 0.8
+    assert biased.ece("suffix") == 0.0  # each source has its own window
+    biased.update("suffix", [0], 1)
+    assert biased.ece("suffix") < 0.01 and biased.ece("ngram") > 0.8
+    assert Calibrator(window=10).ece("ngram") == 0.0

@@ -27,7 +27,7 @@ def ckpts(tmp_path_factory):
 
 
 def draft_spec(path, k=4, **kw):
-    return SpeculativeConfig(method="draft_model", model=str(path), num_tokens=k, **kw)
+    return SpeculativeConfig(method="draft_model", model=str(path), num_tokens=k, scheduled=False, **kw)
 
 
 def assert_no_leaks(llm):

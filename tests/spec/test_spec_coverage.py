@@ -22,7 +22,7 @@ import test_sliding_window  # noqa: E402
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 SHORT = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-NGRAM = SpeculativeConfig(method="ngram", num_tokens=3)
+NGRAM = SpeculativeConfig(method="ngram", num_tokens=3, scheduled=False)
 MAKERS = {
     "llama": tiny_llama_config,
     "gemma2": lambda: test_sliding_window.tiny_gemma2().config,
@@ -99,7 +99,7 @@ def test_rollback_on_pages_and_rings_with_known_rejections(models, arch, wrong):
     k = 4
     ps = vocab_prompts(2, seed=33)
     ref = make(models[arch]).generate(ps, SHORT)
-    llm = make(models[arch], SpeculativeConfig(method="ngram", num_tokens=k))
+    llm = make(models[arch], SpeculativeConfig(method="ngram", num_tokens=k, scheduled=False))
     llm.engine.spec.source = OracleDrafter([p + r.token_ids for p, r in zip(ps, ref)], wrong)
     outs = llm.generate(ps, SHORT)
     assert [o.token_ids for o in outs] == [r.token_ids for r in ref]

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 @pytest.fixture(scope="module")
 def spec_server(tiny_llama):
     srv = start_server(tiny_llama, engine_kw=dict(
-        speculative_config=SpeculativeConfig(method="ngram", num_tokens=3), threads=1,
+        speculative_config=SpeculativeConfig(method="ngram", num_tokens=3, scheduled=False), threads=1,
         **no_lower_tiers()))
     yield srv
     srv.stop()
