@@ -35,6 +35,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 from deepinfer.hardware import cpu_isa, lscpu_model
+from deepinfer.layers.prepacked_linear import PrepackedLinear
 from deepinfer.layers.small_row_linear import SmallRowLinear
 from deepinfer.llm import LLM
 from deepinfer.sampling_params import SamplingParams
@@ -79,12 +80,14 @@ def gemm_row(weights: list[torch.Tensor], m: int, clock, rounds: int) -> dict:
 
 class LinearTimer:
     """Accumulates the time spent inside a model's linear forwards (``nn.Linear`` and the
-    small-row CPU linears that replace them at load; hooks, no patching)."""
+    small-row and prepacked CPU linears that replace them at load, each call counted once;
+    hooks, no patching)."""
 
     def __init__(self, model: nn.Module, clock) -> None:
         self.clock, self.seconds, self._start = clock, 0.0, 0.0
+        wrapped = {id(m.inner) for m in model.modules() if isinstance(m, PrepackedLinear)}
         for m in model.modules():
-            if isinstance(m, (nn.Linear, SmallRowLinear)):
+            if isinstance(m, (nn.Linear, SmallRowLinear, PrepackedLinear)) and id(m) not in wrapped:
                 m.register_forward_pre_hook(self._enter)
                 m.register_forward_hook(self._leave)
 

@@ -19,6 +19,7 @@ from .kv.build import build_device_kv
 from .layers.logits_processors import apply_logit_bias, apply_penalties
 from .layers.rotary import RotaryEmbedding
 from .layers.sampler import SampleResult, sample
+from .layers.prepacked_linear import use_prepacked_linears
 from .layers.small_row_linear import use_small_row_linears
 from .loader.quantized import dequantized
 from .models.registry import model_class
@@ -77,6 +78,7 @@ class ModelRunner:
         quantize_model(model, self.quant_plan, skip=model.unquantized_linears + model.fp32_params,
                        prequantized=self._checkpoint_blocks(ckpt, model))
         use_small_row_linears(model)  # the float linears left: the native kernel for a few rows
+        use_prepacked_linears(model)  # ... and oneDNN on a packed weight for prefill chunks
         return model.eval()
 
     def _checkpoint_blocks(self, ckpt: Checkpoint, model) -> dict[str, QuantizedWeight]:

@@ -1,0 +1,85 @@
+"""Float linears of prefill chunks through oneDNN on a weight reordered once at load.
+
+A prefill chunk multiplies hundreds to thousands of rows by each weight. ``F.linear`` hands
+float32 to MKL's sgemm and bfloat16 to oneDNN on the plain ``[out, in]`` weight, which both
+re-block the weight on every call; oneDNN's linear on a weight already in its blocked layout
+(``mkldnn._reorder_linear_weight``, what inductor's CPU freezing uses) skips that. Calls of
+``MIN_ROWS`` rows or more take that path; fewer rows (decode, verify spans) keep the wrapped
+layer (``SmallRowLinear`` or ``nn.Linear``) and its kernels. The packed copy costs a second
+copy of each wrapped weight, so the LM head (a prefill computes one row of logits) is left
+alone. CUDA, a torch without oneDNN, bfloat16 on a CPU oneDNN has no bf16 path for, and
+``DEEPINFER_NO_PREPACK=1`` keep the layers as they are.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+from .linear import SplitOutputs
+from .small_row_linear import DTYPES, SmallRowLinear
+
+DISABLE_ENV = "DEEPINFER_NO_PREPACK"
+# Below this many rows a call is a decode or a verify span: the wrapped layer's kernels.
+MIN_ROWS = 64
+# Rows the weight's blocked layout is chosen for (any row count runs on it).
+PACK_ROWS = 2048
+
+
+def prepack_available(dtype: torch.dtype) -> bool:
+    """Whether oneDNN's packed linear runs ``dtype`` on this CPU (and is not switched off)."""
+    if os.environ.get(DISABLE_ENV, "") not in ("", "0") or not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.bfloat16:
+        return torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return dtype == torch.float32
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x[..., K] @ weight.T + bias`` on a weight from ``torch.ops.mkldnn._reorder_linear_weight``."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+class PrepackedLinear(SplitOutputs, nn.Module):
+    """``inner``'s product; calls of ``MIN_ROWS`` rows or more on the packed weight. The
+    parameters stay ``inner``'s (tied weights stay tied, loaders and hooks see them)."""
+
+    def __init__(self, inner: nn.Linear | SmallRowLinear) -> None:
+        super().__init__()
+        self.inner = inner
+        self.in_features = inner.in_features
+        self.out_features = inner.out_features
+        self.out_sizes = inner.out_sizes if isinstance(inner, SplitOutputs) else [inner.out_features]
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(inner.weight.detach().contiguous(), PACK_ROWS)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.inner.weight
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return self.inner.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() < MIN_ROWS * self.in_features:
+            return self.inner(x)
+        return packed_linear(x, self.packed, self.inner.bias)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, large_rows=onednn_packed"
+
+
+def use_prepacked_linears(model: nn.Module, skip: tuple[str, ...] = ("lm_head",)) -> int:
+    """Wrap each float CPU linear of ``model`` (``nn.Linear`` or ``SmallRowLinear``; not the
+    names in ``skip``) in a ``PrepackedLinear`` where oneDNN runs its dtype; returns the number
+    wrapped (0 elsewhere)."""
+    targets = [(name, m) for name, m in model.named_modules()
+               if isinstance(m, (nn.Linear, SmallRowLinear)) and name.rpartition(".")[2] not in skip
+               and m.weight.device.type == "cpu" and m.weight.dtype in DTYPES]
+    targets = [(name, m) for name, m in targets if prepack_available(m.weight.dtype)]
+    for name, linear in targets:
+        parent_name, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), attr, PrepackedLinear(linear))
+    return len(targets)

@@ -1,0 +1,93 @@
+"""The oneDNN packed-weight linear for prefill chunks (``layers/prepacked_linear.py``): values
+within rounding of ``F.linear`` (float32 and bfloat16, with bias, 3-d inputs), calls below
+``MIN_ROWS`` rows going to the wrapped layer, the swap at load, and no swap where it is off."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from deepinfer.layers import prepacked_linear as pl
+from deepinfer.layers.linear import FusedLinear
+
+needs_onednn = pytest.mark.skipif(not pl.prepack_available(torch.float32), reason="torch without oneDNN")
+
+
+class Counting(nn.Linear):
+    """An ``nn.Linear`` that counts its calls (which path a call took)."""
+
+    calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return super().forward(x)
+
+
+def _linear(n: int, k: int, dtype: torch.dtype) -> Counting:
+    torch.manual_seed(n + k)
+    lin = Counting(k, n, bias=True)
+    return lin.to(dtype)
+
+
+@needs_onednn
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [64, 300, 2048])
+def test_values_match_f_linear(dtype, rows):
+    if not pl.prepack_available(dtype):
+        pytest.skip("no oneDNN bf16 path on this CPU")
+    lin = _linear(960, 576, dtype)
+    layer = pl.PrepackedLinear(lin)
+    x = torch.randn(rows, 576).to(dtype)
+    with torch.inference_mode():
+        y, ref = layer(x), F.linear(x.double(), lin.weight.double(), lin.bias.double())
+    scale = float((x.double().abs() @ lin.weight.detach().double().abs().T).max())
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert lin.calls == 0
+    assert y.dtype == dtype and y.shape == (rows, 960)
+    assert float((y.double() - ref).abs().max()) / scale < tol
+
+
+@needs_onednn
+def test_few_rows_keep_the_wrapped_layer_and_3d_inputs_split():
+    fused = FusedLinear(576, [576, 192, 192]).float()
+    nn.init.normal_(fused.weight, std=0.05)
+    layer = pl.PrepackedLinear(fused)
+    assert layer.out_sizes == [576, 192, 192] and layer.weight is fused.weight
+    lin = _linear(576, 576, torch.float32)
+    wrapped = pl.PrepackedLinear(lin)
+    with torch.inference_mode():
+        small = torch.randn(pl.MIN_ROWS - 1, 576)
+        assert torch.equal(wrapped(small), F.linear(small, lin.weight, lin.bias)) and lin.calls == 1
+        big = torch.randn(2, pl.MIN_ROWS, 576)
+        y = wrapped(big)
+        assert lin.calls == 1 and y.shape == (2, pl.MIN_ROWS, 576)
+        torch.testing.assert_close(y, F.linear(big, lin.weight, lin.bias), rtol=1e-5, atol=1e-4)
+        parts = layer.split(layer(torch.randn(pl.MIN_ROWS, 576)))
+    assert [p.shape[-1] for p in parts] == [576, 192, 192]
+
+
+class Tiny(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 16)
+        self.lm_head = nn.Linear(16, 32)
+
+
+@needs_onednn
+def test_swap_at_load_skips_the_lm_head():
+    model = Tiny()
+    assert pl.use_prepacked_linears(model) == 1
+    assert isinstance(model.proj, pl.PrepackedLinear) and isinstance(model.lm_head, nn.Linear)
+
+
+def test_switched_off_or_unavailable_keeps_the_layers(monkeypatch):
+    monkeypatch.setenv(pl.DISABLE_ENV, "1")
+    model = Tiny()
+    assert not pl.prepack_available(torch.float32)
+    assert pl.use_prepacked_linears(model) == 0 and isinstance(model.proj, nn.Linear)
+    monkeypatch.delenv(pl.DISABLE_ENV)
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+    assert pl.use_prepacked_linears(model) == 0 and isinstance(model.proj, nn.Linear)
+    assert not pl.prepack_available(torch.float16)
