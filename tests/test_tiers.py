@@ -108,7 +108,7 @@ def test_tiny_l1_spills_to_l2_and_l3_and_comes_back_identical(tiny_llama, refere
 def test_lossy_tiers_serve_and_account(tiny_llama, tmp_path, codec):
     ps = prompts(4, 40, seed=11)
     llm = make(tiny_llama, tmp_path, kv_codec_host=codec, kv_codec_disk=codec, host_cache_gb=host_gb(64))
-    first = llm.generate(ps, GREEDY)
+    llm.generate(ps, GREEDY)
     llm.engine.kv.evict()  # everything to L2 (and, written through, already on L3)
     again = llm.generate(ps, GREEDY)
     check_accounting(again)
