@@ -68,8 +68,11 @@ def engine_sides(threads: int, kv_gb: float) -> dict[str, dict]:
     sides["int8"] = dict(quantization="int8")
     sides["int4"] = dict(quantization="int4")
     sides["int8 fbgemm (lossy)"] = dict(quantization="int8", quantization_kernel="fbgemm")
+    # speculation off: these cells measure the cost of each computed token (benchmarks/spec.py
+    # measures what speculation adds on top)
     common = dict(threads=threads, enable_prefix_cache=False, host_cache_gb=0, enable_disk_cache=False,
-                  max_num_batched_tokens=8192, kv_cache_memory_gb=kv_gb, progress=False)
+                  max_num_batched_tokens=8192, kv_cache_memory_gb=kv_gb, progress=False,
+                  speculative_config=None)
     return {name: {**common, **kw} for name, kw in sides.items()}
 
 
