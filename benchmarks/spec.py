@@ -1,5 +1,5 @@
-"""Speculative decoding: off vs fixed k=3 vs fixed k=5 vs scheduled (Algorithm 1) vs the
-engine's default (method auto, scheduled), one run.
+"""Speculative decoding: off vs fixed k=3 vs fixed k=5 vs scheduled (Algorithm 1) vs
+`auto` (SpeculativeConfig(): both weight-free sources, scheduled), one run.
 
 Workloads (one user at a time, greedy, chat template): ``code`` (rewrite a given Python file
 with one small change: the reply mostly copies the prompt), ``agent`` (answer from a tool output
@@ -89,7 +89,7 @@ def modes(method: str, draft: str | None, draft_quantization: str | None
         "k=3": SpeculativeConfig(method=method, num_tokens=3, scheduled=False),
         "k=5": SpeculativeConfig(method=method, num_tokens=5, scheduled=False),
         "scheduled": SpeculativeConfig(method=method, num_tokens=8, scheduled=True),
-        "default": SpeculativeConfig()}  # the engine's default: auto, scheduled, k <= 8
+        "auto": SpeculativeConfig()}  # method auto, scheduled, k <= 8
     if draft is not None:
         out["draft k=4"] = SpeculativeConfig(method="draft_model", model=draft, num_tokens=4,
                                              scheduled=False, draft_quantization=draft_quantization)

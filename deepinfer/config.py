@@ -61,10 +61,10 @@ class EngineConfig:
     # L3 hits load layer by layer and their prefill starts at once, layer i waiting for its KV
     # (kv/tiers/layer_stream.py); not with overlap_schedule or speculative decoding
     kv_stream_layers: bool = False
-    # spec/: on by default (method auto, scheduled: Algorithm 1 verifies only drafts that pay;
-    # README "Speculative decoding"); None or method none: off. auto steps aside for
-    # overlap_schedule and kv_stream_layers, which cannot run with it
-    speculative_config: SpeculativeConfig | None = field(default_factory=SpeculativeConfig)
+    # spec/: off by default (None or method none; README "Speculative decoding" says why);
+    # SpeculativeConfig() is method auto, scheduled (Algorithm 1 verifies only drafts that pay).
+    # auto steps aside for overlap_schedule and kv_stream_layers, which cannot run with it
+    speculative_config: SpeculativeConfig | None = None
     # overlap.py: the engine schedules step N+1 and lands N-1 while N's forward runs on a worker
     # thread; outputs are identical either way
     overlap_schedule: bool = False

@@ -1,6 +1,6 @@
-"""Speculation is on by default (method auto, scheduled), off with method none, and auto steps
-aside for the features that cannot run with it; the default engine's greedy output is the
-plain one."""
+"""Speculation is off by default (README "Speculative decoding" says why); SpeculativeConfig()
+is method auto, scheduled; method none is off, and auto steps aside for the features that
+cannot run with it; an auto engine's greedy output is the plain one."""
 
 import argparse
 
@@ -16,14 +16,15 @@ from test_spec_engine import prompts
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def test_default_is_auto_scheduled_and_none_turns_it_off():
-    sc = EngineConfig().speculative_config
+def test_default_is_off_and_the_config_default_is_auto_scheduled():
+    assert EngineConfig().speculative_config is None
+    sc = EngineConfig(speculative_config=SpeculativeConfig()).speculative_config
     assert sc is not None and (sc.method, sc.scheduled, sc.num_tokens) == ("auto", True, 8)
     assert EngineConfig(speculative_config=SpeculativeConfig(method="none")).speculative_config is None
     assert EngineConfig(speculative_config=None).speculative_config is None
     # auto yields to overlap scheduling and layer streaming; an explicit method does not
-    assert EngineConfig(overlap_schedule=True).speculative_config is None
-    assert EngineConfig(kv_stream_layers=True).speculative_config is None
+    assert EngineConfig(overlap_schedule=True, speculative_config=SpeculativeConfig()).speculative_config is None
+    assert EngineConfig(kv_stream_layers=True, speculative_config=SpeculativeConfig()).speculative_config is None
     ngram = SpeculativeConfig(method="ngram")
     assert EngineConfig(overlap_schedule=True, speculative_config=ngram).speculative_config is ngram
 
@@ -31,7 +32,9 @@ def test_default_is_auto_scheduled_and_none_turns_it_off():
 def test_cli_defaults_and_opt_outs():
     p = argparse.ArgumentParser()
     add_engine_args(p)
-    assert speculative_config(p.parse_args([])) == SpeculativeConfig()
+    assert EngineConfig(speculative_config=speculative_config(p.parse_args([]))).speculative_config is None
+    on = speculative_config(p.parse_args(["--speculative-method", "auto"]))
+    assert on == SpeculativeConfig()
     fixed = speculative_config(p.parse_args(["--speculative-method", "ngram", "--no-speculative-scheduled",
                                              "--speculative-num-tokens", "3"]))
     assert (fixed.method, fixed.scheduled, fixed.num_tokens) == ("ngram", False, 3)
@@ -41,13 +44,13 @@ def test_cli_defaults_and_opt_outs():
     assert (draft.method, draft.model) == ("draft_model", "/x")
 
 
-def test_default_engine_speculates_and_matches_plain_greedy(tiny_llama):
+def test_auto_engine_speculates_and_matches_plain_greedy(tiny_llama):
     kw = dict(page_size=4, num_pages=512, max_num_batched_tokens=256, progress=False, threads=1,
               enable_disk_cache=False, dtype="float32", device="cpu")
     greedy = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
     ps = prompts(2, 14, seed=5)
     plain = LLM(str(tiny_llama), speculative_config={"method": "none"}, **kw)
-    default = LLM(str(tiny_llama), **kw)
+    default = LLM(str(tiny_llama), speculative_config={"method": "auto"}, **kw)
     assert plain.engine.spec is None and default.engine.spec is not None
     for _ in range(2):  # the second pass also has the suffix index of the first
         ref = [o.token_ids for o in plain.generate(ps, greedy)]
@@ -64,7 +67,7 @@ def test_auto_leaves_sampled_requests_plain(tiny_llama):
     # nearly greedy, so prompt lookup has drafts for it (see the explicit ngram engine below)
     sampled = SamplingParams(max_tokens=20, temperature=0.05, seed=3, ignore_eos=True)
     ps = prompts(2, 14, seed=6)
-    auto = LLM(str(tiny_llama), **kw).generate(ps, sampled)
+    auto = LLM(str(tiny_llama), speculative_config={"method": "auto"}, **kw).generate(ps, sampled)
     assert all(o.num_drafted_tokens == 0 for o in auto)  # auto: greedy requests only
     plain = LLM(str(tiny_llama), speculative_config={"method": "none"}, **kw).generate(ps, sampled)
     assert [o.token_ids for o in auto] == [o.token_ids for o in plain]  # same seeded draws
