@@ -207,9 +207,9 @@ class ModelRunner:
         states = [g.get_state() for g in gens]
         try:
             return reqs, self._sample_rows(reqs, logits), []
-        except Exception:  # noqa: BLE001 - one request's parameters: find it row by row
-            if len(reqs) == 1:
-                raise
+        except Exception as e:  # noqa: BLE001 - one request's parameters: find it row by row
+            if len(reqs) == 1:  # never raised: a caller has other requests' state to keep
+                return [], None, [(reqs[0], e)]
         for g, st in zip(gens, states):
             g.set_state(st)
         ok: list[Request] = []

@@ -154,10 +154,7 @@ class OverlapScheduler:
         logits = self.runner.logits(step, tokens)
         if logits is None:
             return [], None, []
-        try:
-            return self.runner.sample(step.sampled, logits)
-        except Exception as e:  # noqa: BLE001 - one row (more are isolated by ``sample``)
-            return [], None, [(step.sampled[0], e)]
+        return self.runner.sample(step.sampled, logits)  # a row that raises is in its failed list
 
     def _land(self, flight: InFlightStep) -> list[Request]:
         """Wait for ``flight``, commit its tokens, free the pages it was the last to use."""
