@@ -64,7 +64,7 @@ class PrepackedLinear(SplitOutputs, nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() < MIN_ROWS * self.in_features:
-            return self.inner(x)
+            return self.inner.forward(x)  # not inner(x): no second module call per decode linear
         return packed_linear(x, self.packed, self.inner.bias)
 
     def extra_repr(self) -> str:
