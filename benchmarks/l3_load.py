@@ -83,7 +83,7 @@ def one_codec(codec: str, n: int, rounds: int, readers: int, work: Path) -> dict
                                      ids[i : i + 32])
     assert writer.close()
     store = DiskStore(disk, 1 << 40, writer.namespace)
-    files = [store._file(k) for k in keys]
+    files = [store.file_path(k) for k in keys]
     nbytes = sum(os.path.getsize(f) for f in files)
     dst = PagePool(SPECS, n + 1, PAGE, torch.float32, torch.device("cpu"))
     for b in dst.owned_buffers():

@@ -101,7 +101,7 @@ class DiskStore(PageStore):
 
     # ------------------------------------------------------------------ paths and scan
 
-    def _file(self, key: str) -> str:
+    def file_path(self, key: str) -> str:
         return os.path.join(self.path, key[:2], key + ".kv")
 
     @staticmethod
@@ -165,12 +165,12 @@ class DiskStore(PageStore):
             key, size = self._index.popitem(last=False)
             self._bytes -= size
             self._counters["evictions"] += 1
-            _unlink_quiet(self._file(key))  # already gone (another process evicted it) is fine
+            _unlink_quiet(self.file_path(key))  # already gone (another process evicted it) is fine
 
     def _read_checked(self, key: str, expect: PageId | None = None
                       ) -> tuple[dict, memoryview, int]:
         try:
-            with open(self._file(key), "rb") as f:
+            with open(self.file_path(key), "rb") as f:
                 data = f.read()
         except OSError as e:
             if e.errno in (errno.ENOENT, errno.ENOTDIR):
@@ -194,7 +194,7 @@ class DiskStore(PageStore):
             self._quarantine(key)
 
     def _quarantine(self, key: str) -> None:
-        src = self._file(key)
+        src = self.file_path(key)
         qdir = os.path.join(self.path, _QUARANTINE)
         try:
             os.makedirs(qdir, exist_ok=True)
@@ -229,7 +229,7 @@ class DiskStore(PageStore):
             return False
         with self._lock:
             self._evict_locked(size)
-        final = self._file(key)
+        final = self.file_path(key)
         tmp = os.path.join(os.path.dirname(final), tmp_name(key))
         try:
             os.makedirs(os.path.dirname(final), exist_ok=True)
@@ -271,8 +271,8 @@ class DiskStore(PageStore):
         except BadFile as bad:
             self._miss(key, bad)
             return None
-        self._hit(key, size, len(payload))
-        self._touch(self._file(key))
+        self.count_hits([(key, size)], len(payload))
+        self._touch(self.file_path(key))
         return payload if view else bytes(payload)
 
     def read_into(self, key: str, dest: Sequence[memoryview], expect: PageId | None = None) -> bool:
@@ -294,7 +294,7 @@ class DiskStore(PageStore):
         self._check_open()
         self._check_key(key)
         try:
-            return os.open(self._file(key), os.O_RDONLY)
+            return os.open(self.file_path(key), os.O_RDONLY)
         except OSError as e:
             self._miss(key, BadFile("missing" if e.errno in (errno.ENOENT, errno.ENOTDIR)
                                     else "corrupt", str(e)))
@@ -312,7 +312,7 @@ class DiskStore(PageStore):
         if error is not None:
             self._miss(key, error if isinstance(error, BadFile) else BadFile("corrupt", f"unreadable: {error}"))
             return False
-        self._hit(key, size, payload_len)
+        self.count_hits([(key, size)], payload_len)
         return True
 
     def _miss(self, key: str, bad: BadFile) -> None:
@@ -320,11 +320,13 @@ class DiskStore(PageStore):
             self._counters["misses"] += 1
         self._reject(key, bad)
 
-    def _hit(self, key: str, size: int, payload_len: int) -> None:
+    def count_hits(self, files: Sequence[tuple[str, int]], payload_len: int) -> None:
+        """Hits of files (key, size) read and checked (here, or by ``batch_reads.py``)."""
         with self._lock:
-            self._add_locked(key, size)  # also adopts files written by other processes
-            self._counters["hits"] += 1
-            self._counters["bytes_read"] += payload_len
+            for key, size in files:
+                self._add_locked(key, size)  # also adopts files written by other processes
+            self._counters["hits"] += len(files)
+            self._counters["bytes_read"] += len(files) * payload_len
 
     def _touch(self, file: int | str) -> None:
         """mtime = now (recency, for the LRU order after a restart), if ``touch_on_hit``."""
@@ -339,7 +341,7 @@ class DiskStore(PageStore):
         self._check_open()
         self._check_key(key)
         try:
-            size = os.stat(self._file(key)).st_size
+            size = os.stat(self.file_path(key)).st_size
         except OSError:
             with self._lock:
                 self._drop_locked(key)  # evicted by another process

@@ -83,7 +83,7 @@ def on_disk(tiny_llama, tmp_path):
     a = make(tiny_llama, tmp_path)
     a.generate(p, GREEDY)
     hashes = chain_hashes(p, PS, a.engine.kv.root(None))
-    files = [Path(a.engine.tiers.store._file(a.engine.tiers.disk_key(h))) for h in hashes]
+    files = [Path(a.engine.tiers.store.file_path(a.engine.tiers.disk_key(h))) for h in hashes]
     a.engine.shutdown()
     assert all(f.exists() for f in files)
     return p, files
