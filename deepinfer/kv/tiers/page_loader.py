@@ -25,6 +25,7 @@ import torch
 
 from ..radix import DISK, HOST
 from .backend import LoadJob
+from .batch_reads import BatchReads
 from .codecs import Codec
 from .disk_file import PageId
 from .disk_store import DiskStore
@@ -45,7 +46,7 @@ class PageLoader:
                  host_page_nbytes: int, disk_page_nbytes: int, store: PageStore | None,
                  read_host: Callable[[list[int]], torch.Tensor],
                  wait_written: Callable[[str], None], side: Any, *,
-                 loaders: int = 2, readers: int = 4) -> None:
+                 loaders: int = 2, readers: int = 4, page_size: int = 0) -> None:
         self.transfer = transfer
         self.shapes, self.dtype, self.device = transfer.shapes, transfer.dtype, transfer.device
         self.cuda = self.device.type == "cuda"
@@ -61,6 +62,10 @@ class PageLoader:
         self.num_readers = readers
         # lossless pages in host memory are read straight into their L1 buffers
         self.direct_reads = disk_codec.name == "lossless" and transfer.page_views(0) is not None
+        # a plain directory's pages read and checked natively, a chunk per call (no GIL held)
+        self._pool_buffers = transfer.host_buffers() if self.direct_reads else None
+        batches = page_size and (self._pool_buffers is not None or not self.direct_reads)
+        self.batch = BatchReads.make(store, page_size, disk_page_nbytes) if batches else None
         if not self.cuda:  # build or load the native decode now, not in a request's load
             native_decodes(disk_codec, self.dtype)
         self._staging: dict[int, torch.Tensor] = {}  # reader thread -> READ_CHUNK encoded pages
@@ -201,6 +206,8 @@ class PageLoader:
         assert self.store is not None
         got: list[str] = []
         try:
+            if self.batch is not None:
+                return self._read_batch(keys, ids, dest)
             if self.direct_reads:
                 for key, pid, page in zip(keys, ids, dest):
                     self.wait_written(key)
@@ -214,16 +221,35 @@ class PageLoader:
                 if not self.store.read_into(key, [memoryview(rows[len(got)].numpy())], pid):
                     break
                 got.append(self.store.last_read_origin())
-            n = len(got)
-            if n:
-                with torch.cuda.stream(self._side) if self.cuda else contextlib.nullcontext():
-                    # synchronous: the staging rows are reused
-                    write_decoded(self.disk_codec, rows[:n].to(self.device), self.transfer, dest[:n])
+            self._decode_staged(len(got), dest)
         except Exception:  # noqa: BLE001 - a page that cannot be applied is a miss
             log.exception("L3 pages %s... could not be loaded", keys[0])
             with self._cv:
                 self.counters["load_errors"] += 1
         return got
+
+    def _read_batch(self, keys: list[str], ids: list[PageId | None], dest: list[int]) -> list[str]:
+        """``_read_pages`` through ``BatchReads``: the chunk's files in one native call."""
+        assert self.batch is not None
+        for key in keys:
+            self.wait_written(key)
+        if self._pool_buffers is not None:  # lossless into a CPU pool: straight into L1
+            n = self.batch.read(keys, ids, self._pool_buffers, dest,
+                                lambda i: self.transfer.page_views(dest[i]) or [])
+            return [LOCAL] * n
+        rows = self._staging_rows()
+        n = self.batch.read(keys, ids, [rows], range(len(keys)),
+                            lambda i: [memoryview(rows[i].numpy())])
+        self._decode_staged(n, dest)
+        return [LOCAL] * n
+
+    def _decode_staged(self, n: int, dest: list[int]) -> None:
+        """This thread's first ``n`` staging rows decoded into L1 pages ``dest[:n]``."""
+        rows = self._staging_rows()
+        if n:
+            with torch.cuda.stream(self._side) if self.cuda else contextlib.nullcontext():
+                # synchronous: the staging rows are reused
+                write_decoded(self.disk_codec, rows[:n].to(self.device), self.transfer, dest[:n])
 
     def _staging_rows(self) -> torch.Tensor:
         """This reader thread's ``READ_CHUNK`` page rows (pinned on CUDA), made once."""

@@ -119,7 +119,7 @@ class TierIO(TierBackend):
         self.loader = PageLoader(transfer, self.host_codec, self.disk_codec, self.host_page_nbytes,
                                  self.disk_page_nbytes, self.store, self._read_host,
                                  self._wait_written, self._side, loaders=loaders,
-                                 readers=read_ahead)
+                                 readers=read_ahead, page_size=page_size)
         self._log = RateLimitedLog(log)
         _live.add(self)
 

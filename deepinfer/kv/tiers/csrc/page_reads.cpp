@@ -1,0 +1,151 @@
+// L3 page files read straight into their L1 pages and checked there, many files per call, on the
+// caller's thread without the GIL (torch ops run without it). Per file: open, one preadv of
+// header + payload (scattered into one page of every buffer) + tag + one byte past the end (must
+// stay unread), the header compared byte for byte with the one the caller expects, XXH3-128 over
+// header and payload while the page is still in the CPU cache, the tag compared, mtime set (the
+// LRU recency) where asked. The first file that fails any step ends the call: the caller takes the
+// leading run and sends the failed file down its precise (Python) path, which counts and
+// quarantines. XXH3 is the xxHash library the Python ``xxhash`` package loads; ``bind_xxh3``
+// resolves its symbols once (no second copy of the hash in this tree).
+
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <dlfcn.h>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include <climits>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+namespace {
+
+struct Hash128 {  // XXH128_hash_t
+  uint64_t low64, high64;
+};
+
+struct Xxh3 {
+  void* (*create)() = nullptr;
+  int (*release)(void*) = nullptr;
+  int (*reset)(void*) = nullptr;
+  int (*update)(void*, const void*, size_t) = nullptr;
+  Hash128 (*digest)(const void*) = nullptr;
+};
+
+Xxh3 g_xxh3;
+
+bool bind_xxh3(const std::string& library) {
+  void* h = dlopen(library.c_str(), RTLD_NOW | RTLD_LOCAL);
+  if (h == nullptr) return false;
+  Xxh3 x;
+  x.create = reinterpret_cast<void* (*)()>(dlsym(h, "XXH3_createState"));
+  x.release = reinterpret_cast<int (*)(void*)>(dlsym(h, "XXH3_freeState"));
+  x.reset = reinterpret_cast<int (*)(void*)>(dlsym(h, "XXH3_128bits_reset"));
+  x.update = reinterpret_cast<int (*)(void*, const void*, size_t)>(dlsym(h, "XXH3_128bits_update"));
+  x.digest = reinterpret_cast<Hash128 (*)(const void*)>(dlsym(h, "XXH3_128bits_digest"));
+  if (!x.create || !x.release || !x.reset || !x.update || !x.digest) return false;
+  g_xxh3 = x;
+  return true;
+}
+
+void canonical(Hash128 h, uint8_t out[16]) {  // XXH128_canonicalFromHash: big-endian high, low
+  for (int i = 0; i < 8; ++i) {
+    out[i] = static_cast<uint8_t>(h.high64 >> (56 - 8 * i));
+    out[8 + i] = static_cast<uint8_t>(h.low64 >> (56 - 8 * i));
+  }
+}
+
+struct Slices {  // where page p of each buffer lies
+  std::vector<uint8_t*> base;
+  std::vector<size_t> nbytes;
+};
+
+Slices buffer_slices(const std::vector<at::Tensor>& buffers) {
+  Slices s;
+  for (const auto& b : buffers) {
+    TORCH_CHECK(b.device().is_cpu() && b.is_contiguous() && b.dim() >= 1, "CPU contiguous buffers only");
+    s.base.push_back(static_cast<uint8_t*>(b.data_ptr()));
+    s.nbytes.push_back(static_cast<size_t>(b.stride(0) * b.element_size()));
+  }
+  return s;
+}
+
+// One file into page ``page`` of the buffers; true if it read whole, and header and tag match.
+bool read_one(const char* path, const uint8_t* head, size_t hlen, const Slices& s, int64_t page,
+              bool touch, void* state, std::vector<uint8_t>& got_head, std::vector<iovec>& iov) {
+  const int fd = open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return false;
+  got_head.resize(hlen);
+  uint8_t tag[16], past[1];
+  iov.clear();
+  iov.push_back({got_head.data(), hlen});
+  size_t want = hlen + sizeof(tag);
+  for (size_t j = 0; j < s.base.size(); ++j) {
+    iov.push_back({s.base[j] + page * s.nbytes[j], s.nbytes[j]});
+    want += s.nbytes[j];
+  }
+  iov.push_back({tag, sizeof(tag)});
+  iov.push_back({past, sizeof(past)});
+  bool ok = preadv(fd, iov.data(), static_cast<int>(iov.size()), 0) == static_cast<ssize_t>(want) &&
+            std::memcmp(got_head.data(), head, hlen) == 0;
+  if (ok) {
+    g_xxh3.reset(state);
+    for (size_t k = 0; k + 2 < iov.size(); ++k) g_xxh3.update(state, iov[k].iov_base, iov[k].iov_len);
+    uint8_t digest[16];
+    canonical(g_xxh3.digest(state), digest);
+    ok = std::memcmp(digest, tag, sizeof(tag)) == 0;
+  }
+  if (ok && touch) futimens(fd, nullptr);  // best effort, as DiskStore._touch
+  close(fd);
+  return ok;
+}
+
+// Files ``paths`` (expected headers: ``heads`` bytes [offsets[i], offsets[i+1])) into page
+// ``pages[i]`` of every buffer. -> how many leading files were read and checked.
+int64_t read_pages(std::vector<std::string> paths, at::Tensor heads, at::Tensor offsets,
+                   std::vector<at::Tensor> buffers, at::Tensor pages, bool touch) {
+  TORCH_CHECK(g_xxh3.create != nullptr, "bind_xxh3 first");
+  const auto n = static_cast<int64_t>(paths.size());
+  TORCH_CHECK(pages.numel() == n && offsets.numel() == n + 1, "one page and header per path");
+  TORCH_CHECK(static_cast<int64_t>(buffers.size()) + 3 <= IOV_MAX, "too many buffers for one preadv");
+  TORCH_CHECK(heads.dtype() == at::kByte && heads.is_contiguous(), "heads: contiguous uint8");
+  const auto hc = heads.contiguous();
+  const auto oc = offsets.to(at::kLong).contiguous();
+  const auto pc = pages.to(at::kLong).contiguous();
+  const uint8_t* h = hc.data_ptr<uint8_t>();
+  const int64_t* off = oc.data_ptr<int64_t>();
+  const int64_t* pg = pc.data_ptr<int64_t>();
+  const Slices s = buffer_slices(buffers);
+  for (const auto& b : buffers) {
+    for (int64_t i = 0; i < n; ++i) TORCH_CHECK(pg[i] >= 0 && pg[i] < b.size(0), "page out of range");
+  }
+  void* state = g_xxh3.create();
+  TORCH_CHECK(state != nullptr, "XXH3_createState failed");
+  std::vector<uint8_t> got_head;
+  std::vector<iovec> iov;
+  int64_t i = 0;
+  for (; i < n; ++i) {
+    if (!read_one(paths[i].c_str(), h + off[i], static_cast<size_t>(off[i + 1] - off[i]), s, pg[i],
+                  touch, state, got_head, iov)) {
+      break;
+    }
+  }
+  g_xxh3.release(state);
+  return i;
+}
+
+bool bind(std::string library) { return bind_xxh3(library); }
+
+}  // namespace
+
+TORCH_LIBRARY(deepinfer_kv_reads, m) {
+  m.def("bind_xxh3(str library) -> bool", &bind);
+  m.def("read_pages(str[] paths, Tensor heads, Tensor offsets, Tensor(a!)[] buffers, Tensor pages, "
+        "bool touch) -> int", &read_pages);
+  m.def("isa() -> str", [] { return std::string("scalar"); });
+}
