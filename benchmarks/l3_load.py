@@ -10,10 +10,12 @@ stream would do over these page files: every file opened and its header read, th
 ``preadv`` of that layer's K and V slice from each file, each file's tag updated as its layers
 arrive and checked after the last (one thread); ``store``, ``DiskStore.read_into`` on one
 thread (read + header + tag check); ``load``, whole ``PageLoader`` loads on the reader threads
-(what a request waits for); for lossy codecs also ``load-torch``, the same loads decoded by the
+(what a request waits for: a chunk of files per native call, ``batch_reads.py``); ``load-py``,
+the same loads with the per-page Python reads (``DiskStore.read_into``); for lossy codecs also ``load-torch``, the same loads decoded by the
 torch ops instead of the native decode (``native_pages.py``), into a second pool that must come
-out bit-identical. Prints seconds (best of the rounds) and each one's speed as a share
-of ``raw``; ``raw`` reads into one reused buffer that stays in the CPU cache, the others write
+out bit-identical. Prints seconds (best of the rounds), each one's speed as a share of ``raw``
+and the CPU seconds the process spent (best of the rounds; steadier than wall time where other
+work shares the cores); ``raw`` reads into one reused buffer that stays in the CPU cache, the others write
 384 MB of distinct L1 memory.
 
     python benchmarks/l3_load.py [--pages 520] [--codecs lossless,fp8,fp4] [--rounds 3]
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import sys
 import tempfile
 import time
@@ -64,10 +67,12 @@ def tier_io(pool: PagePool, disk: str, codec: str, readers: int, native: bool = 
                   disk_codec=codec, read_ahead=readers)
 
 
-def seconds(fn: Callable[[], None]) -> float:
-    t0 = time.perf_counter()
+def seconds(fn: Callable[[], None]) -> tuple[float, float]:
+    """-> (wall seconds, CPU seconds of the whole process: on a shared machine the steadier)."""
+    r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
     fn()
-    return time.perf_counter() - t0
+    r1, t1 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+    return t1 - t0, r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime
 
 
 def one_codec(codec: str, n: int, rounds: int, readers: int, work: Path) -> dict[str, dict]:
@@ -95,6 +100,8 @@ def one_codec(codec: str, n: int, rounds: int, readers: int, work: Path) -> dict
         for b in dst_torch.owned_buffers():
             b.fill_(1.0)
     torch_loader = tier_io(dst_torch, disk, codec, readers, native=False)
+    py_loader = tier_io(dst, disk, codec, readers)
+    py_loader.loader.batch = None  # the per-page path, for the comparison
 
     def raw() -> None:
         for p in files:
@@ -155,7 +162,7 @@ def one_codec(codec: str, n: int, rounds: int, readers: int, work: Path) -> dict
             into.wait(1.0)
         assert job.num_loaded == n, job.num_loaded
 
-    cases = {"raw": raw, "load": load}
+    cases = {"raw": raw, "load": load, "load-py": lambda: load(py_loader)}
     if codec != "lossless":
         cases["load-torch"] = lambda: load(torch_loader)
     else:  # the in-place floor and the one-thread check (other codecs decode)
@@ -163,22 +170,24 @@ def one_codec(codec: str, n: int, rounds: int, readers: int, work: Path) -> dict
     out: dict[str, dict] = {}
     for state in ("cached", "cold"):
         best = {name: float("inf") for name in cases}
+        cpu = dict(best)
         for _ in range(rounds):
             for name, fn in cases.items():
                 if state == "cold":
                     drop_page_cache(files)
                 else:
                     raw()
-                best[name] = min(best[name], seconds(fn))
-        out[state] = {"bytes": nbytes, "seconds": best,
+                wall, used = seconds(fn)
+                best[name], cpu[name] = min(best[name], wall), min(cpu[name], used)
+        out[state] = {"bytes": nbytes, "seconds": best, "cpu_seconds": cpu,
                       "vs_raw": {k: best["raw"] / v for k, v in best.items()}}
     for a, b, c in zip(src.owned_buffers(), dst.owned_buffers(), dst_torch.owned_buffers()):
         if codec == "lossless":
             assert torch.equal(a[1:], b[1:])  # the loads were exact
         else:
             assert torch.equal(b[1:], c[1:])  # native and torch decode agree bit for bit
-    loader.close()
-    torch_loader.close()
+    for t in (loader, torch_loader, py_loader):
+        t.close()
     return out
 
 
@@ -195,7 +204,7 @@ def main() -> None:
         for codec in args.codecs.split(","):
             res = one_codec(codec, args.pages, args.rounds, args.readers, Path(tmp))
             for state, r in res.items():
-                cells = "  ".join(f"{k} {s:.3f} s ({r['vs_raw'][k]:.2f}x)"
+                cells = "  ".join(f"{k} {s:.3f} s ({r['vs_raw'][k]:.2f}x, cpu {r['cpu_seconds'][k]:.3f} s)"
                                   for k, s in r["seconds"].items())
                 print(f"{codec:8s} {state:6s} {r['bytes'] / 1e6:.0f} MB: {cells}", flush=True)
 
