@@ -3,11 +3,13 @@
 One loader thread per job (``loaders`` of them) walks the job in chain order. L2 slots are
 decoded into their pages. L3 pages are spread over the reader threads (``readers``), each taking
 the next ``READ_CHUNK`` pages, so the pages the prefill needs first land first. A lossless page
-in host memory is read with one ``preadv`` straight into its L1 buffers and checked there
-(``DiskStore.read_into``): no intermediate copy. Other codecs, and CUDA, go through a staging
-buffer per reader (pinned on CUDA) whose pages are decoded together into their L1 pages
+in host memory is read with one ``preadv`` straight into its L1 buffers and checked there: no
+intermediate copy. From a plain directory a reader's whole chunk is one native call without the
+GIL (``batch_reads.py``), elsewhere one ``PageStore.read_into`` per page. Other codecs, and CUDA,
+go through a staging buffer per reader (pinned on CUDA) whose pages are decoded together into their L1 pages
 (natively, straight into a CPU pool: ``native_pages.py``; on a side stream on CUDA). The first page that cannot be read ends the load: the pages before it are
-in place, nothing after it counts (``job.num_loaded``), and the cache manager frees the rest.
+in place, nothing after it counts (``job.num_loaded``), and the cache manager frees the rest
+(a reader that fails inside a native call counts none of that chunk's pages).
 A job with ``layers`` streams layer by layer instead (``layer_stream.py``), on its loader thread.
 """
 
