@@ -102,6 +102,7 @@ class DiskStore(PageStore):
     # ------------------------------------------------------------------ paths and scan
 
     def file_path(self, key: str) -> str:
+        self._check_key(key)  # a key names a file under ``path``, nothing else
         return os.path.join(self.path, key[:2], key + ".kv")
 
     @staticmethod
