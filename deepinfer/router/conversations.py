@@ -18,13 +18,6 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
-
-
-@dataclass(frozen=True)
-class Holder:
-    worker: str  # URL of the worker the conversation's previous turn was sent to
-    pages: int  # leading pages of this prompt that turn covered
 
 
 class Conversations:
@@ -38,12 +31,13 @@ class Conversations:
     def __len__(self) -> int:
         return len(self._tails)
 
-    def holder(self, hashes: Sequence[bytes]) -> Holder | None:
-        """The worker of the latest turn this prompt continues (its longest recorded tail)."""
-        for i in range(len(hashes) - 1, -1, -1):
-            worker = self._tails.get(hashes[i])
+    def holder(self, hashes: Sequence[bytes]) -> str | None:
+        """The URL of the worker the latest turn this prompt continues went to (its longest
+        recorded tail)."""
+        for h in reversed(hashes):
+            worker = self._tails.get(h)
             if worker is not None:
-                return Holder(worker, i + 1)
+                return worker
         return None
 
     def record(self, hashes: Sequence[bytes], worker: str) -> None:

@@ -103,8 +103,8 @@ class Policy:
     def _holds_conversation(self, w: Worker, prompt: RoutedPrompt) -> bool:
         if not w.synced or w.model_identity is None or w.page_size is None:
             return False
-        h = self.conversations.holder(prompt.page_hashes(w.model_identity, w.page_size))
-        return h is not None and h.worker == w.url
+        return self.conversations.holder(prompt.page_hashes(w.model_identity, w.page_size)
+                                         ) == w.url
 
     def sticky(self, workers: list[Worker], prompt: RoutedPrompt,
                overlaps: dict[str, Overlap]) -> Worker | None:

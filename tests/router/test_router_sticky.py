@@ -6,7 +6,7 @@ prompt, or the holder out of rotation leave the choice to the cost (exact expect
 from __future__ import annotations
 
 from deepinfer.kv.hashing import chain_hashes, root_hash
-from deepinfer.router.conversations import Conversations, Holder
+from deepinfer.router.conversations import Conversations
 from deepinfer.router.index import PrefixIndex
 from deepinfer.router.policy import CostWeights, Policy
 from deepinfer.router.prompts import RoutedPrompt
@@ -126,9 +126,8 @@ def test_conversations_find_the_latest_tail_and_stay_bounded():
     conv = Conversations(capacity=2)
     conv.record(h[:4], "a")
     conv.record(h[:7], "b")
-    assert conv.holder(h) == Holder("b", 7) and conv.holder(h[:5]) == Holder("a", 4)
-    assert conv.holder(h[:3]) is None
+    assert conv.holder(h) == "b" and conv.holder(h[:5]) == "a" and conv.holder(h[:3]) is None
     conv.record(h[:9], "a")  # a third tail: the oldest (h[3]) goes
-    assert len(conv) == 2 and conv.holder(h[:5]) is None and conv.holder(h) == Holder("a", 9)
+    assert len(conv) == 2 and conv.holder(h[:5]) is None and conv.holder(h) == "a"
     conv.record([], "a")  # a prompt shorter than a page has no tail
     assert len(conv) == 2
