@@ -1,6 +1,9 @@
 """Routing across workers (issue 15): hit rate, TTFT p50/p90 and total time of one workload
 through ``deepinfer router`` (round_robin, kv), through ``sglang-router`` (cache_aware) in
 front of the same workers, and on one engine holding all the memory, side by side in one run.
+A ``/pool`` config gives its workers (the single engine too, so memory stays equal) one shared
+KV pool besides: a fresh ``redis-server`` per run behind ``--kv-store``, every cached page
+written through to it; which tier served the hits comes from the responses' usage.
 
 Two ``deepinfer serve`` workers of the embedded SmolLM2 (``--threads 1`` each, ``--num-pages``
 small: one worker holds about half the sessions, the single engine all of them), started fresh
@@ -11,7 +14,7 @@ prompts (new ones per round), the configs in a rotated order; ``router_report.py
 rounds and bootstraps the TTFT percentiles, so "kv beats round_robin" is decided by an interval.
 
     python benchmarks/router.py [--quick] [--rounds 2] [--pages 80] [--out results/router]
-        [--configs round_robin,kv,kv@evict-weight=0] [--workloads chat]
+        [--configs round_robin,kv,kv@stick-gap=-1,kv/pool] [--workloads chat]
 
 Writes ``summary.json`` and ``summary.md`` under ``--out``; prints the CPU model with them.
 """
@@ -21,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -37,7 +41,13 @@ from deepinfer.bench.workloads import agent_loop, multi_turn_chat
 from deepinfer.hardware import lscpu_model
 from router_report import aggregate, markdown
 
-CONFIGS = ("single_engine_2x", "round_robin", "kv", "sglang_cache_aware")
+CONFIGS = ("single_engine_2x", "round_robin", "kv", "sglang_cache_aware",
+           "single_engine_2x/pool", "kv/pool")
+# --quick leaves sglang's cache_aware out (it lost on TTFT on both workloads in every quick run
+# of the seventh session) to stay under 6 minutes with the pool configs
+QUICK_CONFIGS = tuple(c for c in CONFIGS if c != "sglang_cache_aware")
+POOL = "/pool"
+POOL_BYTES = "256mb"  # redis-server's maxmemory: several times a run's pages
 
 
 def free_port() -> int:
@@ -68,21 +78,45 @@ def spawn(args: list[str], log: Path) -> subprocess.Popen:
     return subprocess.Popen(args, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
 
 
-def start_workers(n: int, pages: int, max_len: int, logs: Path) -> tuple[list[str], list]:
-    procs, urls = [], []
+def start_pool(logs: Path) -> tuple[list[str], subprocess.Popen]:
+    """A fresh shared KV pool: ``redis-server`` on a free port, nothing persisted; the
+    ``--kv-store`` arguments of its workers."""
+    port = free_port()
+    proc = spawn([shutil.which("redis-server") or "redis-server", "--port", str(port), "--bind",
+                  "127.0.0.1", "--save", "", "--appendonly", "no", "--maxmemory", POOL_BYTES,
+                  "--maxmemory-policy", "allkeys-lru"], logs / "redis.log")
+    deadline = time.monotonic() + 60
+    while True:
+        with socket.socket() as sock:
+            if sock.connect_ex(("127.0.0.1", port)) == 0:
+                break
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError(f"redis-server did not listen on {port}")
+        time.sleep(0.05)
+    # a loaded machine may take longer than the 2 s default for a store call
+    return ["--kv-store", f"redis://127.0.0.1:{port}", "--kv-store-option", "timeout_s=10"], proc
+
+
+def start_workers(n: int, pages: int, max_len: int, logs: Path, store: list[str],
+                  procs: list[subprocess.Popen]) -> list[str]:
+    """``n`` workers, their processes appended to ``procs`` (stopped by the caller)."""
+    urls = []
     for i in range(n):
         port = free_port()
         procs.append(spawn([sys.executable, "-m", "deepinfer.cli", "serve", "--port", str(port),
                             "--threads", "1", "--num-pages", str(pages), "--max-model-len",
-                            str(max_len), "--no-disk-cache", "--host-cache-gb", "0",
+                            str(max_len), "--no-disk-cache", "--host-cache-gb", "0", *store,
                             "--log-level", "warning"], logs / f"worker{i}.log"))
         urls.append(f"http://127.0.0.1:{port}")
-    for u, p in zip(urls, procs):
+    for u, p in zip(urls, procs[-n:]):
         wait_ready(u, p)
-    return urls, procs
+    return urls
 
 
-def start_front(config: str, workers: list[str], log: Path) -> tuple[str, subprocess.Popen]:
+def start_front(config: str, workers: list[str], log: Path, procs: list[subprocess.Popen]
+                ) -> str:
+    """The router in front of ``workers``, its process appended to ``procs``."""
     port = free_port()
     if config == "sglang_cache_aware":
         args = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
@@ -94,9 +128,10 @@ def start_front(config: str, workers: list[str], log: Path) -> tuple[str, subpro
                 "--policy", policy, "--log-level", "info",  # info: its placement log
                 *[a for w in workers for a in ("--worker", w)], *extra]
     proc = spawn(args, log)
+    procs.append(proc)
     url = f"http://127.0.0.1:{port}"
     wait_ready(url, proc, "/v1/models" if config == "sglang_cache_aware" else "/health")
-    return url, proc
+    return url
 
 
 def stop(procs: list[subprocess.Popen]) -> None:
@@ -138,8 +173,9 @@ def workload(name: str, shape: Shape, seed: int) -> Workload:
 
 def front_args(config: str) -> tuple[str, list[str]]:
     """``kv@evict-weight=0.5+overlap-weight=2`` -> ("kv", [--evict-weight 0.5 --overlap-weight 2])
-    (``+``: ``--configs`` is split at commas)."""
-    policy, _, opts = config.partition("@")
+    (``+``: ``--configs`` is split at commas; a ``/pool`` suffix is the workers', not the
+    router's)."""
+    policy, _, opts = config.removesuffix(POOL).partition("@")
     args = []
     for kv in filter(None, opts.split("+")):
         k, _, v = kv.partition("=")
@@ -155,7 +191,7 @@ def placements(log: Path, workers: list[str]) -> list[dict]:
         if "placement {" in line:
             p = json.loads(line[line.index("placement {") + len("placement "):])
             out.append({"worker": workers.index(p["worker"]), "prompt_tokens": p["prompt_tokens"],
-                        "hit_pages": p["hit_pages"],
+                        "hit_pages": p["hit_pages"], "sticky": p["sticky"],
                         "costs": [p["costs"].get(w) for w in workers],
                         "loads": [p["loads"].get(w) for w in workers]})
     return out
@@ -163,18 +199,23 @@ def placements(log: Path, workers: list[str]) -> list[dict]:
 
 def run_one(config: str, wl: Workload, pages: int, max_len: int, concurrency: int,
             logs: Path) -> dict:
-    single = config == "single_engine_2x"
+    front_name = config.removesuffix(POOL)
+    single = front_name == "single_engine_2x"
     # a worker refuses a max_model_len its pool cannot hold (it keeps one page back); the same
     # limit for both, so the single engine serves the same requests
     max_len = min(max_len, (pages - 1) * 16)
-    workers, procs = start_workers(1 if single else 2, pages * 2 if single else pages, max_len,
-                                   logs)
-    front_log = logs / f"{config}.log"
+    procs: list[subprocess.Popen] = []
+    front_log = logs / f"{config.replace('/', '_')}.log"
     try:
+        store: list[str] = []
+        if config.endswith(POOL):
+            store, pool = start_pool(logs)
+            procs.append(pool)
+        workers = start_workers(1 if single else 2, pages * 2 if single else pages, max_len,
+                                logs, store, procs)
         base = workers[0]
         if not single:
-            base, front = start_front(config, workers, front_log)
-            procs.append(front)
+            base = start_front(front_name, workers, front_log, procs)
         model = httpx.get(workers[0] + "/v1/models").json()["data"][0]["id"]
         cfg = ClientConfig(base_url=base, model=model, concurrency=concurrency,
                            request_timeout_s=600, progress=False)
@@ -182,10 +223,16 @@ def run_one(config: str, wl: Workload, pages: int, max_len: int, concurrency: in
         records = run_workload(cfg, wl)
         total = time.perf_counter() - t0
         s = summarize(records)
-        placed = [] if single or config == "sglang_cache_aware" else placements(front_log,
-                                                                                workers)
+        placed = [] if single or front_name == "sglang_cache_aware" else placements(front_log,
+                                                                                    workers)
         return {"placements": placed, "hit_rate": s["hit_rate"], "total_s": total,
                 "ttft_s": [r.ttft_s for r in records if r.ok and r.ttft_s is not None],
+                "ttft_by_request": {r.request_id: r.ttft_s for r in records
+                                    if r.ok and r.ttft_s is not None},
+                "cached_tokens_by_tier": s["cached_tokens_by_tier"],
+                # which requests missed: session / turn -> (prompt, cached) tokens
+                "hits_by_request": {r.request_id: (r.prompt_tokens, r.cached_tokens)
+                                    for r in records if r.ok},
                 "requests": s["num_requests"], "errors": s["num_errors"],
                 "first_errors": [r.error for r in records if not r.ok][:3],
                 "prompt_tokens": s["prompt_tokens"], "cached_tokens": s["cached_tokens"]}
@@ -203,9 +250,10 @@ def main() -> None:
                     help="KV pages (16 tokens) per worker, all workloads (default: per workload)")
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--concurrency", type=int, default=4)
-    ap.add_argument("--configs", default=",".join(CONFIGS),
-                    help="also kv@OPTION=VALUE+...: the kv router with those options, e.g. "
-                         "kv@evict-weight=0+overlap-weight=2")
+    ap.add_argument("--configs", default=None,
+                    help=f"default: {','.join(CONFIGS)} (--quick: without sglang_cache_aware); "
+                         "also kv@OPTION=VALUE+...: the kv router with those options, e.g. "
+                         "kv@evict-weight=0+overlap-weight=2, and NAME/pool: with the shared pool")
     ap.add_argument("--workloads", default="chat,agent")
     ap.add_argument("--out", default="results/router")
     args = ap.parse_args()
@@ -213,7 +261,9 @@ def main() -> None:
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     rounds = args.rounds or (2 if args.quick else 3)
-    configs, names = args.configs.split(","), args.workloads.split(",")
+    configs = (args.configs.split(",") if args.configs else
+               list(QUICK_CONFIGS if args.quick else CONFIGS))
+    names = args.workloads.split(",")
     shapes = {n: SHAPES[n, args.quick] for n in names}
     if args.pages:
         shapes = {n: replace(sh, pages=args.pages) for n, sh in shapes.items()}
@@ -222,6 +272,7 @@ def main() -> None:
            "workloads": {n: {"shape": f"{sh.sessions} sessions x {sh.turns} turns",
                              "pages": sh.pages} for n, sh in shapes.items()},
            "note": f"2 workers, --threads 1 each; single engine: one worker with both pools; "
+                   "/pool: its workers share a fresh redis-server KV pool (write-through); "
                    f"client concurrency {args.concurrency}; {rounds} rounds, configs "
                    "interleaved (each round starts at the next config), fresh workers per run",
            "runs": {n: {c: [] for c in configs} for n in names}}
@@ -233,12 +284,13 @@ def main() -> None:
                 run = run_one(config, wl, shapes[name].pages, args.max_model_len,
                               args.concurrency, logs)
                 res["runs"][name][config].append(run)
-                print("  " + json.dumps({k: v for k, v in run.items()
-                                         if k not in ("placements", "ttft_s")}),
+                brief = ("placements", "ttft_s", "ttft_by_request", "hits_by_request")
+                print("  " + json.dumps({k: v for k, v in run.items() if k not in brief}),
                       file=sys.stderr, flush=True)
             (out / "summary.json").write_text(json.dumps(res, indent=1))
     aggs = {n: {c: aggregate(rs) for c, rs in rows.items()} for n, rows in res["runs"].items()}
-    res["aggregates"] = {n: {c: {k: v for k, v in a.items() if k != "ttft_s"}
+    per_request = ("ttft_s", "ttft_by_request")  # in the runs already
+    res["aggregates"] = {n: {c: {k: v for k, v in a.items() if k not in per_request}
                              for c, a in rows.items()} for n, rows in aggs.items()}
     (out / "summary.json").write_text(json.dumps(res, indent=1))
     md = markdown(res, aggs)

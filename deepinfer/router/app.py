@@ -60,7 +60,7 @@ class Router:
                                config.health_interval_s, config.worker_api_key)
         self.policy = Policy(config.policy, self.index,
                              CostWeights(config.overlap_weight, config.decode_weight,
-                                         config.evict_weight))
+                                         config.evict_weight, config.stick_gap))
         self.tokens = PromptTokenizer(tokenizer)
         self.client: httpx.AsyncClient | None = None
         self.retries = 0
@@ -78,19 +78,23 @@ class Router:
             placement_log.info("placement %s", json.dumps({
                 "role": role, "worker": choice.worker.url, "prompt_tokens": prompt.num_tokens,
                 "hit_pages": choice.overlap.pages, "costs": choice.costs,
+                "sticky": choice.sticky,
                 "loads": {w.url: [w.prefill_pages, w.decoding, self.policy.free_pages(w)]
                           for w in workers}}))
         return choice
 
     def route(self, choice: Choice, prompt: RoutedPrompt, cached: bool) -> Routed:
         """The load ``prompt`` adds on the chosen worker; ``cached`` (it computes the prompt
-        there): its pages become pending there, so the next request sharing them follows."""
+        there): its pages become pending there, so the next request sharing them follows, and
+        its conversation's next turn finds it there."""
         w = choice.worker
         to_prefill = prompt.prompt_pages(w.page_size) - choice.overlap.pages if cached else 0
         r = Routed(prompt.pages(w.page_size), to_prefill)
         w.begin(r)
         if cached and w.synced and w.model_identity is not None and w.page_size is not None:
-            self.index.add_pending(w.url, prompt.page_hashes(w.model_identity, w.page_size))
+            hashes = prompt.page_hashes(w.model_identity, w.page_size)
+            self.index.add_pending(w.url, hashes)
+            self.policy.conversations.record(hashes, w.url)
         return r
 
     def unroute(self, choice: Choice, prompt: RoutedPrompt) -> None:

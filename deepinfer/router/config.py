@@ -24,6 +24,10 @@ class RouterConfig:
     overlap_weight: float = 1.0
     decode_weight: float = 1.0
     evict_weight: float = 1.0
+    # A conversation's next turn stays on the worker holding it unless that worker has more than
+    # this many pages of open work beyond the least loaded one (``conversations.py``; negative:
+    # never, the cost alone decides).
+    stick_gap: float = 16.0
     pending_ttl_s: float = 30.0  # how long a routed request's pages count before an event
     worker_api_key: str | None = None  # sent on the router's own calls (KV events, snapshots)
     model: str | None = None  # the workers' model (tokenizer + chat template); None: default
@@ -86,6 +90,10 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--evict-weight", type=float, default=d.evict_weight,
                    help="kv cost per cached page the request would push out of a worker's "
                         "device pool (the pages it adds beyond the free ones)")
+    p.add_argument("--stick-gap", type=float, default=d.stick_gap,
+                   help="a conversation's next turn stays on the worker that holds it unless that "
+                        "worker has more than this many pages of open work beyond the least "
+                        "loaded one (then the kv cost decides; negative: no stickiness)")
     p.add_argument("--pending-ttl", type=float, default=d.pending_ttl_s,
                    help="seconds a routed request's pages count as on its worker before the "
                         "worker's KV events confirm them")
@@ -111,7 +119,7 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
     return RouterConfig(workers=args.worker, prefill_workers=args.prefill_worker,
                         decode_workers=args.decode_worker, policy=args.policy,
                         overlap_weight=args.overlap_weight, decode_weight=args.decode_weight,
-                        evict_weight=args.evict_weight,
+                        evict_weight=args.evict_weight, stick_gap=args.stick_gap,
                         pending_ttl_s=args.pending_ttl,
                         worker_api_key=args.worker_api_key or None, model=args.model,
                         chat_template=read_chat_template(args.chat_template), host=args.host,

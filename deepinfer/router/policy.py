@@ -13,7 +13,11 @@ snapshot) less the pages its events say it holds and those pending there; what a
 evicts is what its next turns would have hit. Ties go to the worker holding more of the prompt
 (the same wait, fewer pages computed: a conversation's turn stays with its cache where the load
 balances it out exactly), then to the less loaded, then in turn, so equal cold requests spread
-out. ``least_load`` uses the load alone (a PD decode worker too).
+out. Before any cost, a request continuing a conversation (``conversations.py``) stays on the
+worker its previous turn went to, while that worker still holds more of the prompt than any
+other and has at most ``stick_gap`` pages more open work than the least loaded candidate: the
+cost sees one turn's recompute, not the dead copy a move leaves behind. ``least_load`` uses the
+load alone (a PD decode worker too).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
+from .conversations import Conversations
 from .index import Overlap, PrefixIndex
 from .prompts import RoutedPrompt
 from .workers import Load, Worker
@@ -32,6 +37,7 @@ class Choice:
     overlap: Overlap  # the index's prediction for this worker
     page_size: int | None  # the worker's (None: not synced yet; no prediction)
     costs: dict[str, float] = field(default_factory=dict)  # kv: each candidate's, by URL
+    sticky: bool = False  # kv: kept on its conversation's worker, whatever the costs
 
     @property
     def predicted_hit_tokens(self) -> int:
@@ -47,6 +53,7 @@ class CostWeights:
     overlap_weight: float = 1.0  # per page the request would prefill on the worker
     decode_weight: float = 1.0  # pages-worth of work per request decoding there
     evict_weight: float = 1.0  # per cached page the request would push out of the worker's L1
+    stick_gap: float = 16.0  # pages of open work over the least loaded's that end stickiness
 
 
 def busy(load: Load, weights: CostWeights) -> float:
@@ -68,11 +75,12 @@ def kv_cost(to_prefill: int, load: Load, weights: CostWeights, evicts: int = 0
 
 
 class Policy:
-    def __init__(self, name: str, index: PrefixIndex, weights: CostWeights = CostWeights()
-                 ) -> None:
+    def __init__(self, name: str, index: PrefixIndex, weights: CostWeights = CostWeights(),
+                 conversations: Conversations | None = None) -> None:
         self.name = name
         self.index = index
         self.weights = weights
+        self.conversations = conversations or Conversations()
         self._turn = itertools.count()
 
     def overlap(self, w: Worker, prompt: RoutedPrompt) -> Overlap:
@@ -92,6 +100,28 @@ class Policy:
         return kv_cost(prompt.prompt_pages(w.page_size) - hit.pages, w.load, self.weights,
                        0 if free is None else overflow(adds, free))
 
+    def _holds_conversation(self, w: Worker, prompt: RoutedPrompt) -> bool:
+        if not w.synced or w.model_identity is None or w.page_size is None:
+            return False
+        return self.conversations.holder(prompt.page_hashes(w.model_identity, w.page_size)
+                                         ) == w.url
+
+    def sticky(self, workers: list[Worker], prompt: RoutedPrompt,
+               overlaps: dict[str, Overlap]) -> Worker | None:
+        """The candidate ``prompt``'s conversation stays on, if any (see the module doc)."""
+        if self.weights.stick_gap < 0:  # off
+            return None
+        home = next((w for w in workers if self._holds_conversation(w, prompt)), None)
+        if home is None:
+            return None
+        others = [w for w in workers if w is not home]
+        if not others:
+            return home
+        if overlaps[home.url].pages <= max(overlaps[w.url].pages for w in others):
+            return None  # its private pages are gone (evicted): nothing to stay for
+        gap = busy(home.load, self.weights) - min(busy(w.load, self.weights) for w in others)
+        return home if gap <= self.weights.stick_gap else None
+
     def pick(self, workers: list[Worker], prompt: RoutedPrompt, use_cache: bool = True) -> Choice:
         """``workers``: the healthy candidates (not empty). ``use_cache`` False: by load only
         (a PD decode worker, whose cache the prefill worker's pages fill)."""
@@ -105,8 +135,9 @@ class Policy:
             best = min(order, key=lambda w: (busy(w.load, self.weights), w.active_pages))
         else:
             costs = {w.url: self.cost(w, prompt, overlaps[w.url]) for w in order}
-            best = min(order, key=lambda w: (costs[w.url][0], -overlaps[w.url].pages,
-                                             costs[w.url][1]))
+            home = self.sticky(workers, prompt, overlaps)
+            best = home or min(order, key=lambda w: (costs[w.url][0], -overlaps[w.url].pages,
+                                                     costs[w.url][1]))
             return Choice(best, overlaps[best.url], best.page_size,
-                          {u: c for u, (c, _) in costs.items()})
+                          {u: c for u, (c, _) in costs.items()}, sticky=home is not None)
         return Choice(best, overlaps[best.url], best.page_size)
