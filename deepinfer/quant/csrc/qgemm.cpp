@@ -33,6 +33,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "qgemm_acts.h"
 #include "qgemm_layout.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -47,27 +48,6 @@ namespace {
 
 constexpr int MAX_MT = 4;  // activation rows per pass over a block
 
-// How a call's dots are taken: fp32 activations; integer codes widened to int16 (vpmaddwd, or
-// vpdpwssd with VNNI); int8 activation codes as bytes against the packed bytes (vpdpbusd, VNNI only).
-enum class Path { floats, int16, int16_vnni, bytes_vnni };
-
-// The activations of one call, rows of stride K: x itself, or its int16 codes q (bytes b: the
-// same codes in byte_order, for Path::bytes_vnni) and block scales d [m, g]; xsum [m, g] is the
-// offset's factor (null: symmetric weights).
-struct Rows {
-  const float* x;
-  const int16_t* q;
-  const uint8_t* b;
-  const float* d;
-  const float* xsum;
-  int64_t K;
-  Rows at(int64_t m) const {
-    const int64_t groups = K / GROUP;
-    return {x + m * K, q == nullptr ? nullptr : q + m * K, b == nullptr ? nullptr : b + m * K,
-            d == nullptr ? nullptr : d + m * groups, xsum == nullptr ? nullptr : xsum + m * groups, K};
-  }
-};
-
 // The weights as pack_weight lays them out (codes, scale, offset from the first block on).
 struct Packed {
   const uint8_t* codes;
@@ -76,21 +56,6 @@ struct Packed {
   const float* bias;    // null: none
   int64_t groups;
 };
-
-// One block of 32 activations -> codes round(x * L / max|x|) (half to even) and the block's scale
-// max|x| / L; returns the sum of the codes.
-int32_t quantize_block(const float* x, int16_t* q, float* d, float L) {
-  float amax = 0.f;
-  for (int64_t j = 0; j < GROUP; ++j) amax = std::max(amax, std::fabs(x[j]));
-  const float inv = amax > 0.f ? L / amax : 0.f;
-  int32_t sum = 0;
-  for (int64_t j = 0; j < GROUP; ++j) {
-    q[j] = static_cast<int16_t>(std::nearbyint(x[j] * inv));
-    sum += q[j];
-  }
-  *d = amax / L;
-  return sum;
-}
 
 #ifdef DEEPINFER_AVX2
 
@@ -335,40 +300,14 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor
   }
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
-  const float* xp = x.data_ptr<float>();
-  const int64_t nblk = M * groups;
-  std::vector<float> xsum(off != nullptr ? nblk : 0), xd;
-  std::vector<int16_t> xq;
-  std::vector<uint8_t> xb;
 #ifdef DEEPINFER_VNNI
   const Path ints = !vnni ? Path::int16 : act_bits == 8 ? Path::bytes_vnni : Path::int16_vnni;
 #else
   const Path ints = Path::int16;  // (vnni: no such code in this build)
 #endif
   const Path path = act_bits == 32 ? Path::floats : ints;
-  if (act_bits != 32) {
-    xq.resize(nblk * GROUP);
-    xd.resize(nblk);
-    if (path == Path::bytes_vnni) xb.resize(nblk * GROUP);
-    const float L = act_bits == 16 ? 32767.f : 127.f;
-    at::parallel_for(0, nblk, 256, [&](int64_t i0, int64_t i1) {
-      for (int64_t i = i0; i < i1; ++i) {
-        int16_t* q = xq.data() + i * GROUP;
-        const int32_t sum = quantize_block(xp + i * GROUP, q, &xd[i], L);
-        if (off != nullptr) xsum[i] = xd[i] * static_cast<float>(sum);
-        for (int j = 0; j < (xb.empty() ? 0 : GROUP); ++j)  // int8 weights take x + 128 as unsigned
-          xb[i * GROUP + j] = static_cast<uint8_t>(q[byte_order(bits, j)] + (bits == 8 ? 128 : 0));
-      }
-    });
-  } else if (off != nullptr) {
-    for (int64_t i = 0; i < nblk; ++i) {
-      float s = 0.f;
-      for (int64_t j = 0; j < GROUP; ++j) s += xp[i * GROUP + j];
-      xsum[i] = s;
-    }
-  }
-  auto data = [](auto& v) { return v.empty() ? nullptr : v.data(); };
-  const Rows a{xp, data(xq), data(xb), data(xd), data(xsum), K};
+  const Activations acts(x.data_ptr<float>(), M, K, bits, act_bits, path, off != nullptr);
+  const Rows a = acts.rows();
   const Packed w{static_cast<const uint8_t*>(codes.data_ptr()), scale.data_ptr<float>(), off, b, groups};
   float* yp = y.data_ptr<float>();
   // at least ~64K multiply-adds per task: smaller layers are not worth waking a thread for
