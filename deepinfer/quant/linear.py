@@ -24,6 +24,7 @@ from .weights import QuantizedWeight, GROUP, quantize_int4, quantize_int8
 # (prefill chunks) de-quantizing once and a float matmul is as fast or faster
 # (benchmarks/quant_kernels.py compares them at M = 1 .. 512).
 NATIVE_MAX_ROWS = 128
+NATIVE_DTYPES = (torch.float32, torch.bfloat16)  # activation dtypes the native kernel takes as they are
 
 
 class QuantizedLinear(SplitOutputs, nn.Module):
@@ -75,7 +76,9 @@ class QuantizedLinear(SplitOutputs, nn.Module):
             return y if self.bias is None else y + self.bias.to(x.dtype)
         if self.kernel in NATIVE_ACT_BITS and x.numel() <= NATIVE_MAX_ROWS * k:
             bias = None if self.bias is None else self.bias.float()
-            y = native_linear(x.reshape(-1, k).float().contiguous(), self.weight, bias, NATIVE_ACT_BITS[self.kernel])
+            x2 = x.reshape(-1, k)  # fp32 and bf16 go in and come out as they are: no conversion ops
+            x2 = x2.contiguous() if x2.dtype in NATIVE_DTYPES else x2.float().contiguous()
+            y = native_linear(x2, self.weight, bias, NATIVE_ACT_BITS[self.kernel])
             return y.to(x.dtype).view(*lead, self.out_features)
         bias = None if self.bias is None else self.bias.to(x.dtype)
         return F.linear(x, self.weight.dequantize(x.dtype), bias)

@@ -3,6 +3,7 @@
 // scale per block (the integer paths), and the per-block sums that asymmetric weights' offsets meet.
 #pragma once
 
+#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -48,12 +49,22 @@ inline int32_t quantize_block(const float* x, int16_t* q, float* d, float L) {
   return sum;
 }
 
-// x [M, K] (fp32, row-major) prepared for one call's path; owns the buffers its rows() point into.
+// x [M, K] (contiguous fp32 or bf16) prepared for one call's path; owns the buffers its rows()
+// point into. bf16 rows are widened to fp32 here (exactly), so the dots see the values a
+// torch-side x.float() would give them, without a tensor op per call.
 class Activations {
  public:
-  Activations(const float* x, int64_t M, int64_t K, int64_t bits, int64_t act_bits, Path path, bool offset)
-      : x_(x), K_(K) {
-    const int64_t nblk = M * (K / GROUP);
+  Activations(const at::Tensor& t, int64_t bits, int64_t act_bits, Path path, bool offset) : K_(t.size(1)) {
+    const int64_t M = t.size(0), K = K_, nblk = M * (K / GROUP);
+    if (t.scalar_type() == at::kBFloat16) {
+      const at::BFloat16* xh = t.data_ptr<at::BFloat16>();
+      xf_.resize(M * K);
+      for (int64_t i = 0; i < M * K; ++i) xf_[i] = static_cast<float>(xh[i]);
+      x_ = xf_.data();
+    } else {
+      x_ = t.data_ptr<float>();
+    }
+    const float* x = x_;
     if (offset) xsum_.resize(nblk);
     if (act_bits != 32) {
       xq_.resize(nblk * GROUP);
@@ -84,9 +95,9 @@ class Activations {
   template <typename T>
   static const T* data(const std::vector<T>& v) { return v.empty() ? nullptr : v.data(); }
 
-  const float* x_;
   int64_t K_;
-  std::vector<float> xsum_, xd_;
+  const float* x_;
+  std::vector<float> xf_, xsum_, xd_;
   std::vector<int16_t> xq_;
   std::vector<uint8_t> xb_;
 };
