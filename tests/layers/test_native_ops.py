@@ -30,10 +30,11 @@ def _rotary(dim: int = 64, scaling: float = 0.9) -> RotaryEmbedding:
     return RotaryEmbedding(1.0 / 10000 ** (torch.arange(0, dim, 2).float() / dim), 4096, scaling=scaling)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens", [1, 3, 200])
-def test_rotary_same_bits_as_torch_on_fused_projection_views(kernel, monkeypatch, tokens):
+def test_rotary_same_bits_as_torch_on_fused_projection_views(kernel, monkeypatch, tokens, dtype):
     g = torch.Generator().manual_seed(tokens)
-    qkv = torch.randn(tokens, (9 + 3 + 3) * 64, generator=g)
+    qkv = (torch.randn(tokens, (9 + 3 + 3) * 64, generator=g) * 4).to(dtype)
     q, k, _ = qkv.split([9 * 64, 3 * 64, 3 * 64], dim=-1)  # strided views, as the models pass them
     q, k = q.view(tokens, 9, 64), k.view(tokens, 3, 64)
     positions = torch.randint(0, 4096, (tokens,), generator=g)
@@ -41,7 +42,7 @@ def test_rotary_same_bits_as_torch_on_fused_projection_views(kernel, monkeypatch
     got = rot(positions, q), rot(positions, k)
     _torch_only(monkeypatch)
     want = rot(positions, q), rot(positions, k)
-    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert got[0].dtype == dtype and torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
 def test_rotary_cases_left_to_torch(kernel):
@@ -67,21 +68,6 @@ def test_rms_norm_matches_torch(kernel, monkeypatch, unit_offset, shape):
     want_s, want_n = layer.add_forward(x.reshape(-1, shape[-1]), r.reshape(-1, shape[-1]))
     assert got.shape == want.shape and (got - want).abs().max() <= 1e-6 * want.abs().max()
     assert torch.equal(s, want_s) and (n - want_n).abs().max() <= 1e-6 * want_n.abs().max()
-
-
-@pytest.mark.parametrize("tokens", [1, 3, 200])
-def test_bf16_rotary_same_bits_as_torch(kernel, monkeypatch, tokens):
-    g = torch.Generator().manual_seed(tokens)
-    qkv = (torch.randn(tokens, (9 + 3 + 3) * 64, generator=g) * 4).to(torch.bfloat16)
-    q, k, _ = qkv.split([9 * 64, 3 * 64, 3 * 64], dim=-1)
-    q, k = q.view(tokens, 9, 64), k.view(tokens, 3, 64)
-    positions = torch.randint(0, 4096, (tokens,), generator=g)
-    rot = _rotary()
-    got = rot(positions, q), rot(positions, k)
-    _torch_only(monkeypatch)
-    want = rot(positions, q), rot(positions, k)
-    assert got[0].dtype == torch.bfloat16
-    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
 @pytest.mark.parametrize("unit_offset", [False, True])
