@@ -8,6 +8,7 @@ own venv, one subprocess per measurement (its load time is not counted). Batched
 offered by llama-cpp-python's API, so its batch 8/32 cells stay empty.
 
     python benchmarks/execution.py [--quick] [--threads N] [--llamacpp-python PATH] [--only prefill]
+    python benchmarks/execution.py --only decode --batches 1 --sides int4   # batch 1 vs llama.cpp only
 
 The prefill section also runs fp32 in the engine's default 2,048-token chunks (chunks after the
 first attend over the cached pages of the earlier ones) and a 200-token tail after a 2,048-token
@@ -197,14 +198,20 @@ def main() -> None:
                     help="python of a venv with llama-cpp-python ('' to skip llama.cpp)")
     ap.add_argument("--only", choices=["prefill", "decode", "contention"], action="append",
                     help="run only these sections (repeatable; default: all)")
+    ap.add_argument("--batches", default=None, help="decode batch sizes, comma-separated (default 1,8,32; --quick: 1,8)")
+    ap.add_argument("--sides", default=None, help="DeepInfer configurations to run, comma-separated (default: all)")
     ap.add_argument("--out", default="results/execution")
     args = ap.parse_args()
     threads = args.threads or available_cores()
     lengths, batches, new_tokens = ([512], [1, 8], 8) if args.quick else ([512, 2048, 8000], [1, 8, 32], 32)
+    if args.batches:
+        batches = [int(b) for b in args.batches.split(",")]
     peer = Path(args.llamacpp_python) if args.llamacpp_python and Path(args.llamacpp_python).exists() else None
     gguf = default_model_path()
     kv_gb = 0.25 if args.quick else 1.0
-    llms = {name: LLM(None, **kw) for name, kw in engine_sides(threads, kv_gb).items()}
+    wanted = args.sides.split(",") if args.sides else None
+    llms = {name: LLM(None, **kw) for name, kw in engine_sides(threads, kv_gb).items()
+            if wanted is None or name in wanted}
     first = next(iter(llms.values())).engine
     hf_dtype = auto_dtype(torch.device("cpu"))
     hf = AutoModelForCausalLM.from_pretrained(first.checkpoint_path, dtype=hf_dtype).eval()
@@ -236,7 +243,7 @@ def main() -> None:
         lines += table("decode tok/s, batch", "batch", res["decode"], list(llms) + ["transformers", "llama.cpp"])
         lines += [""]
     if "contention" in only:
-        default = llms["bf16" if "bf16" in llms else "fp32"]  # what --dtype auto picks
+        default = llms.get("bf16", llms.get("fp32", next(iter(llms.values()))))  # what --dtype auto picks
         res["contention"] = contention_row(default, peer, gguf, threads, vocab, new_tokens, args.rounds)
         lines += ["| contention (batch-1 decode) | quiet tok/s | one busy neighbour tok/s | busy / quiet |",
                   "|---|---|---|---|"]

@@ -3,6 +3,7 @@ engine, the same prompt, rounds interleaved; and where the streamed path's extra
 
     python benchmarks/server_overhead.py                      # SmolLM2, 64-token prompt, 48 tokens
     python benchmarks/server_overhead.py --prompt-len 2700 --threads 2
+    python benchmarks/server_overhead.py --prompt-len 1500 --threads 2 --quantization int4   # the agent workload's
 
 Per token (decode only: from the first token to the last, so prefill is left out):
 * ``offline``: the engine stepped on its own thread (``AsyncEngine.call_sync``), no HTTP;
@@ -80,9 +81,10 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--overlap-schedule", action="store_true")
+    p.add_argument("--quantization", default="none", help="none | int8 | int4 (the agent benchmark runs int4)")
     args = p.parse_args()
     engine = LLMEngine(EngineConfig(enable_prefix_cache=False, host_cache_gb=0, enable_disk_cache=False,
-                                    progress=False, threads=args.threads,
+                                    progress=False, threads=args.threads, quantization=args.quantization,
                                     overlap_schedule=args.overlap_schedule))
     clock = StepClock(engine)
     srv = BackgroundServer(engine, ServerConfig(port=0, log_level="warning")).start()

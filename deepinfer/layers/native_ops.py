@@ -3,7 +3,8 @@ embedding (NeoX halves), RMSNorm, and a residual add fused with the next RMSNorm
 
 At batch-1 decode each of these runs on a few hundred values, so a torch op costs its dispatch
 and temporaries more than its arithmetic; one native call replaces the several ops of each.
-``small_ops_apply`` is the one check of where they run (float32 on the CPU, when it built);
+``small_ops_apply`` is the one check of where they run (float32 or bf16 on the CPU, when it built;
+bf16 computed in float32 and rounded once per result, as torch's code computes it);
 elsewhere the torch code of ``norm.py`` / ``rotary.py`` runs.
 """
 
@@ -28,4 +29,4 @@ def small_ops_kernel() -> NativeExtension:
 
 def small_ops_apply(x: torch.Tensor) -> bool:
     """Whether the native small ops compute on ``x``."""
-    return x.device.type == "cpu" and x.dtype == torch.float32 and small_ops_kernel().loaded
+    return x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and small_ops_kernel().loaded

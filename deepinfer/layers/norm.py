@@ -1,5 +1,5 @@
-"""RMSNorm, the normalisation every supported family uses; float32 on the CPU runs our native op
-(``native_ops.py``: one call instead of five), elsewhere torch's."""
+"""RMSNorm, the normalisation every supported family uses; float32 or bf16 on the CPU runs our
+native op (``native_ops.py``: one call instead of five to eight), elsewhere torch's."""
 
 from __future__ import annotations
 
@@ -22,12 +22,17 @@ class RMSNorm(nn.Module):
         w = self.weight if self.weight.dtype == torch.float32 else self.weight.float()
         return 1.0 + w if self.unit_offset else w
 
+    def _native_weight(self) -> torch.Tensor:
+        """The scale as the native op takes it: the parameter itself (widened there) unless Gemma's offset applies."""
+        return self._weight() if self.unit_offset else self.weight
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # Computed in fp32 whatever the activation dtype, as the reference implementations do.
         dtype = x.dtype
-        w = self._weight()
         if small_ops_apply(x):
-            return torch.ops.deepinfer_ops.rms_norm(x.reshape(-1, x.shape[-1]).contiguous(), w, self.eps).view(x.shape)
+            return torch.ops.deepinfer_ops.rms_norm(x.reshape(-1, x.shape[-1]).contiguous(), self._native_weight(),
+                                                    self.eps).view(x.shape)
+        w = self._weight()
         h = F.rms_norm(x if dtype == torch.float32 else x.float(), w.shape, w, self.eps)
         return h if dtype == torch.float32 else h.to(dtype)
 
@@ -35,6 +40,7 @@ class RMSNorm(nn.Module):
         """``(x + residual, norm(x + residual))`` for [T, dim] inputs: a block's residual add and
         the next norm, in one native pass where it applies."""
         if small_ops_apply(x) and residual.dtype == x.dtype and x.dim() == 2:
-            return torch.ops.deepinfer_ops.add_rms_norm(x.contiguous(), residual.contiguous(), self._weight(), self.eps)
+            return torch.ops.deepinfer_ops.add_rms_norm(x.contiguous(), residual.contiguous(), self._native_weight(),
+                                                        self.eps)
         s = x + residual
         return s, self(s)

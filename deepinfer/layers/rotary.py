@@ -1,9 +1,9 @@
 """Rotary position embeddings with a precomputed cos/sin table indexed by absolute position.
 
 Positions come from the batch (not from sequence order), which is what lets a prefill chunk
-start in the middle of a sequence whose prefix came from the cache. Float32 on the CPU, NeoX
-halves over the whole head run our native op (``native_ops.py``: one call instead of about ten,
-the same bits); the other cases, torch's.
+start in the middle of a sequence whose prefix came from the cache. Float32 or bf16 on the CPU,
+NeoX halves over the whole head run our native op (``native_ops.py``: one call instead of about
+ten, the same bits); the other cases, torch's.
 """
 
 from __future__ import annotations

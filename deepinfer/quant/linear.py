@@ -24,6 +24,7 @@ from .weights import QuantizedWeight, GROUP, quantize_int4, quantize_int8
 # (prefill chunks) de-quantizing once and a float matmul is as fast or faster
 # (benchmarks/quant_kernels.py compares them at M = 1 .. 512).
 NATIVE_MAX_ROWS = 128
+NATIVE_DTYPES = (torch.float32, torch.bfloat16)  # activation dtypes the native kernel takes as they are
 
 
 class QuantizedLinear(SplitOutputs, nn.Module):
@@ -61,9 +62,17 @@ class QuantizedLinear(SplitOutputs, nn.Module):
         else:
             raise ValueError(f"unknown quantization kernel {kernel!r}")
         self.scheme = f"int{weight.bits}"
+        self.act_bits = NATIVE_ACT_BITS.get(kernel, 0)  # 0: not the native kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead, k = x.shape[:-1], x.shape[-1]
+        if self.act_bits and x.numel() <= NATIVE_MAX_ROWS * k:  # first: the decode step's path
+            bias = None if self.bias is None else self.bias.float()
+            x2 = x.reshape(-1, k)  # fp32 and bf16 go in and come out as they are: no conversion ops
+            x2 = x2.contiguous() if x2.dtype in NATIVE_DTYPES else x2.float().contiguous()
+            y = native_linear(x2, self.weight, bias, self.act_bits)
+            y = y if y.dtype == x.dtype else y.to(x.dtype)
+            return y if x.dim() == 2 else y.view(*lead, self.out_features)
         if self.kernel == "fbgemm":  # bias is inside the packed weight
             y = torch.ops.quantized.linear_dynamic(x.reshape(-1, k).float(), self._packed, True)
             return y.to(x.dtype).view(*lead, self.out_features)
@@ -73,10 +82,6 @@ class QuantizedLinear(SplitOutputs, nn.Module):
                 x2, self._packed, self._group, self._scales_zeros.to(torch.bfloat16))
             y = y.to(x.dtype).view(*lead, self.out_features)
             return y if self.bias is None else y + self.bias.to(x.dtype)
-        if self.kernel in NATIVE_ACT_BITS and x.numel() <= NATIVE_MAX_ROWS * k:
-            bias = None if self.bias is None else self.bias.float()
-            y = native_linear(x.reshape(-1, k).float().contiguous(), self.weight, bias, NATIVE_ACT_BITS[self.kernel])
-            return y.to(x.dtype).view(*lead, self.out_features)
         bias = None if self.bias is None else self.bias.to(x.dtype)
         return F.linear(x, self.weight.dequantize(x.dtype), bias)
 

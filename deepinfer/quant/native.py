@@ -1,5 +1,5 @@
-"""Our own CPU kernel for int8 / int4 weights and fp32 activations in and out (``csrc/qgemm.cpp``),
-built at first use.
+"""Our own CPU kernel for int8 / int4 weights and fp32 or bf16 activations in and out
+(``csrc/qgemm.cpp``), built at first use.
 
 No kernel that ships with torch keeps activations accurate and beats fp32 ``F.linear`` on AVX2
 CPUs, and batch-1 decode is bound by the bytes of weight it reads per token. So the kernel reads
@@ -36,7 +36,8 @@ def native_kernel() -> NativeExtension:
 
 def native_linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None, act_bits: int,
                   vnni: bool = True) -> torch.Tensor:
-    """``x[M, K] @ W.T + bias`` in fp32, ``W`` packed by ``pack_weight``.
+    """``x[M, K] @ W.T + bias``, ``W`` packed by ``pack_weight``, ``x`` fp32 or bf16 and the result in
+    its dtype (bf16: computed as for ``x.float()``, then rounded once; ``bias`` is fp32 either way).
     ``act_bits`` 16 or 8: each block of 32 values of a row of ``x`` is rounded first to int16 /
     int8 codes (``round(x * L / max|x|)``, ``L`` = 32767 or 127, one scale per block), then dotted
     exactly with the weight codes; 32: the codes are widened to fp32 and ``x`` is kept as it is.

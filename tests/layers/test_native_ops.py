@@ -1,6 +1,6 @@
 """The native small ops (``layers/native_ops.py``): rotary and RMSNorm (with the residual add)
-against torch's code paths they replace, on the shapes and strides the models pass; the same
-bits on any thread count; torch's code where they do not apply or are disabled."""
+against torch's code paths they replace, on the shapes and strides the models pass, in float32
+and bf16; the same bits on any thread count; torch's code where they do not apply or are disabled."""
 
 from __future__ import annotations
 
@@ -30,10 +30,11 @@ def _rotary(dim: int = 64, scaling: float = 0.9) -> RotaryEmbedding:
     return RotaryEmbedding(1.0 / 10000 ** (torch.arange(0, dim, 2).float() / dim), 4096, scaling=scaling)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens", [1, 3, 200])
-def test_rotary_same_bits_as_torch_on_fused_projection_views(kernel, monkeypatch, tokens):
+def test_rotary_same_bits_as_torch_on_fused_projection_views(kernel, monkeypatch, tokens, dtype):
     g = torch.Generator().manual_seed(tokens)
-    qkv = torch.randn(tokens, (9 + 3 + 3) * 64, generator=g)
+    qkv = (torch.randn(tokens, (9 + 3 + 3) * 64, generator=g) * 4).to(dtype)
     q, k, _ = qkv.split([9 * 64, 3 * 64, 3 * 64], dim=-1)  # strided views, as the models pass them
     q, k = q.view(tokens, 9, 64), k.view(tokens, 3, 64)
     positions = torch.randint(0, 4096, (tokens,), generator=g)
@@ -41,7 +42,7 @@ def test_rotary_same_bits_as_torch_on_fused_projection_views(kernel, monkeypatch
     got = rot(positions, q), rot(positions, k)
     _torch_only(monkeypatch)
     want = rot(positions, q), rot(positions, k)
-    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert got[0].dtype == dtype and torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
 def test_rotary_cases_left_to_torch(kernel):
@@ -50,7 +51,7 @@ def test_rotary_cases_left_to_torch(kernel):
     positions = torch.tensor([5, 9])
     inv = rot(positions, rot(positions, x), inverse=True)  # inverse runs torch's code
     assert (inv - x).abs().max() < 1e-5
-    assert not small_ops_apply(x.to(torch.bfloat16))
+    assert not small_ops_apply(x.to(torch.float16))
 
 
 @pytest.mark.parametrize("unit_offset", [False, True])
@@ -67,6 +68,29 @@ def test_rms_norm_matches_torch(kernel, monkeypatch, unit_offset, shape):
     want_s, want_n = layer.add_forward(x.reshape(-1, shape[-1]), r.reshape(-1, shape[-1]))
     assert got.shape == want.shape and (got - want).abs().max() <= 1e-6 * want.abs().max()
     assert torch.equal(s, want_s) and (n - want_n).abs().max() <= 1e-6 * want_n.abs().max()
+
+
+@pytest.mark.parametrize("unit_offset", [False, True])
+@pytest.mark.parametrize("shape", [(1, 576), (130, 64), (5, 4, 16)])
+def test_bf16_rms_norm_matches_torch(kernel, monkeypatch, unit_offset, shape):
+    """The residual sum is torch's bf16 add bit for bit; the norm is the float32 op's rounded once,
+    so it may differ from torch's by the last bf16 bit where the float32 results straddle a rounding."""
+    g = torch.Generator().manual_seed(sum(shape))
+    layer = RMSNorm(shape[-1], 1e-5, unit_offset=unit_offset).to(torch.bfloat16)
+    layer.weight.data = torch.randn(shape[-1], generator=g).to(torch.bfloat16)
+    x = (torch.randn(*shape, generator=g) * 3).to(torch.bfloat16)
+    r = torch.randn(*shape, generator=g).to(torch.bfloat16)
+    got = layer(x)
+    s, n = layer.add_forward(x.reshape(-1, shape[-1]), r.reshape(-1, shape[-1]))
+    _torch_only(monkeypatch)
+    want = layer(x)
+    want_s, want_n = layer.add_forward(x.reshape(-1, shape[-1]), r.reshape(-1, shape[-1]))
+    assert got.dtype == n.dtype == s.dtype == torch.bfloat16 and got.shape == want.shape
+    assert torch.equal(s, want_s)
+    for a, b in ((got, want), (n, want_n)):
+        ulp = b.float().abs() * 2.0 ** -7  # one step of bf16's 8-bit significand
+        assert ((a.float() - b.float()).abs() <= ulp).all()
+        assert (a == b).float().mean() > 0.95
 
 
 def test_same_bits_on_any_thread_count(kernel):

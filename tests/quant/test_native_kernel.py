@@ -1,7 +1,8 @@
 """The native CPU kernel (``quant/native.py``): float activations vs de-quantize + ``F.linear``, int16
 and int8 activations vs a reference written in torch (the same block rounding of x, then exact
-integer dots), thread-count invariance, the layer's use of it, and the fallback when it is disabled or
-does not build. The kernel's packed layout itself: tests/quant/test_packed_weight.py."""
+integer dots), bf16 activations in and out vs the fp32 call rounded, thread-count invariance, the
+layer's use of it, and the fallback when it is disabled or does not build. The kernel's packed
+layout itself: tests/quant/test_packed_weight.py."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from deepinfer.native_build import compiler_flags
+import deepinfer.quant.linear as quant_linear
 from deepinfer.quant import native
 from deepinfer.quant.kernels import NATIVE_ACT_BITS, QuantPlan, plan_quantization
 from deepinfer.quant.linear import NATIVE_MAX_ROWS, QuantizedLinear, quantize_model
@@ -164,6 +166,45 @@ def test_same_bits_on_any_thread_count(kernel, threads, fmt, act_bits):
         threads(n)
         outs.append(native_linear(x, packed, None, act_bits))
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("act_bits", [32, 16, 8])
+@pytest.mark.parametrize("nthreads", [1, 2])
+def test_bf16_in_and_out_is_the_fp32_call_rounded(kernel, threads, fmt, act_bits, nthreads):
+    threads(nthreads)
+    torch.manual_seed(act_bits + nthreads)
+    n, k = 1200, 576
+    w = pack_weight(FORMATS[fmt](torch.randn(n, k) / k ** 0.5))
+    x = (torch.randn(9, k) * torch.rand(k) * 8).to(torch.bfloat16)
+    x[2, :32] = 0
+    bias = torch.randn(n)
+    for m in (1, 3, 9):
+        y = native_linear(x[:m], w, bias, act_bits)
+        expected = native_linear(x[:m].float(), w, bias, act_bits).to(torch.bfloat16)
+        assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+        assert torch.equal(y.view(torch.int16), expected.view(torch.int16))
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_bf16_layer_passes_its_rows_as_they_are(kernel, threads, monkeypatch, scheme):
+    threads(1)
+    model = nn.Sequential(nn.Linear(128, 96, bias=True))
+    quantize_model(model, QuantPlan(scheme, "native"))
+    layer = model[0]
+    assert isinstance(layer, QuantizedLinear)
+    seen: list[torch.dtype] = []
+
+    def recording(x, *args):
+        seen.append(x.dtype)
+        return native_linear(x, *args)
+
+    monkeypatch.setattr(quant_linear, "native_linear", recording)
+    x = torch.randn(1, 2, 128, dtype=torch.bfloat16)
+    y = layer(x)
+    assert seen == [torch.bfloat16] and y.dtype == torch.bfloat16 and y.shape == (1, 2, 96)
+    expected = native_linear(x[0].float(), layer.weight, layer.bias.float(), NATIVE_ACT_BITS["native"])
+    assert torch.equal(y[0], expected.to(torch.bfloat16))
 
 
 def test_rejects_bad_shapes(kernel):

@@ -1,7 +1,9 @@
-// The small per-layer ops of a decode step in one call each (float32, CPU). At batch 1 each
-// torch op on a few hundred values costs its dispatch, not its arithmetic: rotary alone is about
-// ten ops per tensor, RMSNorm five. Rows are independent and each is computed by one thread, so
-// results do not depend on the thread count.
+// The small per-layer ops of a decode step in one call each (float32 or bf16, CPU). At batch 1
+// each torch op on a few hundred values costs its dispatch, not its arithmetic: rotary alone is
+// about ten ops per tensor, RMSNorm five (bf16: more, with the widening and rounding copies).
+// Rows are independent and each is computed by one thread, so results do not depend on the
+// thread count. bf16 tensors are computed as torch's code computes them: widened to float32
+// (exact), the float32 arithmetic, each result rounded to bf16 (to nearest even) as it is stored.
 
 // Products are rounded one by one (no fused multiply-add), so rotary matches torch's bit for bit.
 #pragma GCC optimize("fp-contract=off")
@@ -14,15 +16,25 @@
 #include <cstdint>
 #include <string>
 #include <tuple>
+#include <vector>
 
 namespace {
 
 constexpr int64_t kRowsPerTask = 64;
 
+// f(T{}) with T the element type of x: float or at::BFloat16 (the only ones accepted).
+template <typename F>
+void on_dtype(const at::Tensor& x, F&& f) {
+  if (x.scalar_type() == at::kBFloat16) f(at::BFloat16{});
+  else f(float{});
+}
+
+bool float_or_bf16(const at::Tensor& x) { return x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16; }
+
 // x [T, H, D] (last dim dense) rotated by position, NeoX halves: (x1, x2) -> (x1 c - x2 s, x2 c + x1 s),
 // with cos/sin [max_positions, D / 2] float32.
 at::Tensor rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& positions) {
-  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat && x.stride(2) == 1, "x must be float32 [T, H, D]");
+  TORCH_CHECK(x.dim() == 3 && float_or_bf16(x) && x.stride(2) == 1, "x must be float32 or bf16 [T, H, D]");
   const int64_t T = x.size(0), H = x.size(1), D = x.size(2), half = D / 2;
   TORCH_CHECK(D % 2 == 0 && cos.dim() == 2 && cos.size(1) == half && cos.is_contiguous() && sin.is_contiguous()
               && cos.sizes() == sin.sizes() && cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat,
@@ -33,42 +45,57 @@ at::Tensor rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
   for (int64_t t = 0; t < T; ++t)
     TORCH_CHECK(pos[t] >= 0 && pos[t] < cos.size(0), "position ", pos[t], " beyond the rotary table");
   at::Tensor out = at::empty({T, H, D}, x.options());
-  const float* xp = x.data_ptr<float>();
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
-  float* op = out.data_ptr<float>();
   const int64_t st = x.stride(0), sh = x.stride(1);
-  at::parallel_for(0, T, kRowsPerTask, [&](int64_t lo, int64_t hi) {
-    for (int64_t t = lo; t < hi; ++t) {
-      const float* c = cp + pos[t] * half;
-      const float* s = sp + pos[t] * half;
-      for (int64_t h = 0; h < H; ++h) {
-        const float* x1 = xp + t * st + h * sh;
-        const float* x2 = x1 + half;
-        float* o = op + (t * H + h) * D;
-        for (int64_t i = 0; i < half; ++i) {
-          const float a = x1[i] * c[i], b = x2[i] * s[i];  // rounded one by one, as torch does
-          const float e = x2[i] * c[i], f = x1[i] * s[i];
-          o[i] = a - b;
-          o[half + i] = e + f;
+  on_dtype(x, [&](auto tag) {
+    using S = decltype(tag);
+    const S* xp = x.data_ptr<S>();
+    S* op = out.data_ptr<S>();
+    at::parallel_for(0, T, kRowsPerTask, [&](int64_t lo, int64_t hi) {
+      for (int64_t t = lo; t < hi; ++t) {
+        const float* c = cp + pos[t] * half;
+        const float* s = sp + pos[t] * half;
+        for (int64_t h = 0; h < H; ++h) {
+          const S* x1 = xp + t * st + h * sh;
+          const S* x2 = x1 + half;
+          S* o = op + (t * H + h) * D;
+          for (int64_t i = 0; i < half; ++i) {
+            const float u = static_cast<float>(x1[i]), v = static_cast<float>(x2[i]);
+            const float a = u * c[i], b = v * s[i];  // rounded one by one, as torch does
+            const float e = v * c[i], f = u * s[i];
+            o[i] = static_cast<S>(a - b);
+            o[half + i] = static_cast<S>(e + f);
+          }
         }
       }
-    }
+    });
   });
   return out;
 }
 
-void norm_row(const float* x, const float* w, float eps, int64_t N, float* o) {
+template <typename S>
+void norm_row(const S* x, const float* w, float eps, int64_t N, S* o) {
   double ss = 0.0;
-  for (int64_t i = 0; i < N; ++i) ss += static_cast<double>(x[i]) * x[i];
+  for (int64_t i = 0; i < N; ++i) ss += static_cast<double>(static_cast<float>(x[i])) * static_cast<float>(x[i]);
   const float inv = 1.0f / std::sqrt(static_cast<float>(ss / N) + eps);
-  for (int64_t i = 0; i < N; ++i) o[i] = x[i] * inv * w[i];
+  for (int64_t i = 0; i < N; ++i) o[i] = static_cast<S>(static_cast<float>(x[i]) * inv * w[i]);
 }
 
 void check_norm(const at::Tensor& x, const at::Tensor& w) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous float32 [T, N]");
-  TORCH_CHECK(w.dim() == 1 && w.size(0) == x.size(1) && w.scalar_type() == at::kFloat && w.is_contiguous(),
-              "weight must be contiguous float32 [N]");
+  TORCH_CHECK(x.dim() == 2 && float_or_bf16(x) && x.is_contiguous(), "x must be contiguous float32 or bf16 [T, N]");
+  TORCH_CHECK(w.dim() == 1 && w.size(0) == x.size(1) && float_or_bf16(w) && w.is_contiguous(),
+              "weight must be contiguous float32 or bf16 [N]");
+}
+
+// The weight widened to float32 (exact): a bf16 model's norm weights are bf16.
+std::vector<float> weight_floats(const at::Tensor& w) {
+  std::vector<float> out(w.numel());
+  on_dtype(w, [&](auto tag) {
+    const auto* p = w.data_ptr<decltype(tag)>();
+    for (size_t i = 0; i < out.size(); ++i) out[i] = static_cast<float>(p[i]);
+  });
+  return out;
 }
 
 // RMSNorm of each row of x [T, N]
@@ -76,10 +103,15 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   check_norm(x, w);
   const int64_t T = x.size(0), N = x.size(1);
   at::Tensor out = at::empty_like(x);
-  const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  at::parallel_for(0, T, kRowsPerTask, [&](int64_t lo, int64_t hi) {
-    for (int64_t t = lo; t < hi; ++t) norm_row(xp + t * N, wp, static_cast<float>(eps), N, op + t * N);
+  const std::vector<float> wf = weight_floats(w);
+  const float* wp = wf.data();
+  on_dtype(x, [&](auto tag) {
+    using S = decltype(tag);
+    const S* xp = x.data_ptr<S>();
+    S* op = out.data_ptr<S>();
+    at::parallel_for(0, T, kRowsPerTask, [&](int64_t lo, int64_t hi) {
+      for (int64_t t = lo; t < hi; ++t) norm_row(xp + t * N, wp, static_cast<float>(eps), N, op + t * N);
+    });
   });
   return out;
 }
@@ -88,17 +120,23 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& w,
                                                 double eps) {
   check_norm(x, w);
-  TORCH_CHECK(residual.sizes() == x.sizes() && residual.scalar_type() == at::kFloat && residual.is_contiguous(),
-              "residual must be contiguous float32 like x");
+  TORCH_CHECK(residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type() && residual.is_contiguous(),
+              "residual must be contiguous and of x's dtype");
   const int64_t T = x.size(0), N = x.size(1);
   at::Tensor sum = at::empty_like(x), out = at::empty_like(x);
-  const float *xp = x.data_ptr<float>(), *rp = residual.data_ptr<float>(), *wp = w.data_ptr<float>();
-  float *sp = sum.data_ptr<float>(), *op = out.data_ptr<float>();
-  at::parallel_for(0, T, kRowsPerTask, [&](int64_t lo, int64_t hi) {
-    for (int64_t t = lo; t < hi; ++t) {
-      for (int64_t i = 0; i < N; ++i) sp[t * N + i] = xp[t * N + i] + rp[t * N + i];
-      norm_row(sp + t * N, wp, static_cast<float>(eps), N, op + t * N);
-    }
+  const std::vector<float> wf = weight_floats(w);
+  const float* wp = wf.data();
+  on_dtype(x, [&](auto tag) {
+    using S = decltype(tag);
+    const S *xp = x.data_ptr<S>(), *rp = residual.data_ptr<S>();
+    S *sp = sum.data_ptr<S>(), *op = out.data_ptr<S>();
+    at::parallel_for(0, T, kRowsPerTask, [&](int64_t lo, int64_t hi) {
+      for (int64_t t = lo; t < hi; ++t) {
+        for (int64_t i = 0; i < N; ++i)  // the sum rounded to x's dtype first: the norm reads what is returned
+          sp[t * N + i] = static_cast<S>(static_cast<float>(xp[t * N + i]) + static_cast<float>(rp[t * N + i]));
+        norm_row(sp + t * N, wp, static_cast<float>(eps), N, op + t * N);
+      }
+    });
   });
   return {sum, out};
 }

@@ -1,4 +1,6 @@
-// Weight-only quantized matmul for the CPU: y[M, N] = x[M, K] @ W[N, K]^T (+ bias), x and y fp32.
+// Weight-only quantized matmul for the CPU: y[M, N] = x[M, K] @ W[N, K]^T (+ bias), x and y fp32,
+// or both bf16 (a bf16 model's activations, taken and given back as they are: widened to fp32 on
+// the way in, which is exact, and rounded once as y is stored; the arithmetic is the fp32 call's).
 //
 // W is held in groups of 32 columns, repacked once at load 8 output rows together: the layout
 // is qgemm_layout.h's.
@@ -33,6 +35,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "qgemm_acts.h"
 #include "qgemm_layout.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -47,27 +50,6 @@ namespace {
 
 constexpr int MAX_MT = 4;  // activation rows per pass over a block
 
-// How a call's dots are taken: fp32 activations; integer codes widened to int16 (vpmaddwd, or
-// vpdpwssd with VNNI); int8 activation codes as bytes against the packed bytes (vpdpbusd, VNNI only).
-enum class Path { floats, int16, int16_vnni, bytes_vnni };
-
-// The activations of one call, rows of stride K: x itself, or its int16 codes q (bytes b: the
-// same codes in byte_order, for Path::bytes_vnni) and block scales d [m, g]; xsum [m, g] is the
-// offset's factor (null: symmetric weights).
-struct Rows {
-  const float* x;
-  const int16_t* q;
-  const uint8_t* b;
-  const float* d;
-  const float* xsum;
-  int64_t K;
-  Rows at(int64_t m) const {
-    const int64_t groups = K / GROUP;
-    return {x + m * K, q == nullptr ? nullptr : q + m * K, b == nullptr ? nullptr : b + m * K,
-            d == nullptr ? nullptr : d + m * groups, xsum == nullptr ? nullptr : xsum + m * groups, K};
-  }
-};
-
 // The weights as pack_weight lays them out (codes, scale, offset from the first block on).
 struct Packed {
   const uint8_t* codes;
@@ -77,20 +59,18 @@ struct Packed {
   int64_t groups;
 };
 
-// One block of 32 activations -> codes round(x * L / max|x|) (half to even) and the block's scale
-// max|x| / L; returns the sum of the codes.
-int32_t quantize_block(const float* x, int16_t* q, float* d, float L) {
-  float amax = 0.f;
-  for (int64_t j = 0; j < GROUP; ++j) amax = std::max(amax, std::fabs(x[j]));
-  const float inv = amax > 0.f ? L / amax : 0.f;
-  int32_t sum = 0;
-  for (int64_t j = 0; j < GROUP; ++j) {
-    q[j] = static_cast<int16_t>(std::nearbyint(x[j] * inv));
-    sum += q[j];
+// Where a call's outputs go, y [M, N] row-major: fp32, or bf16 rounded to nearest even as each
+// value is stored (torch's own fp32 -> bf16 rounding, so no second pass over y).
+struct Out {
+  float* f;           // null: bf16
+  at::BFloat16* h;    // null: fp32
+  int64_t N;
+  Out at(int64_t m) const { return {f == nullptr ? nullptr : f + m * N, h == nullptr ? nullptr : h + m * N, N}; }
+  void put(int64_t m, int64_t n, float v) const {
+    if (f != nullptr) f[m * N + n] = v;
+    else h[m * N + n] = at::BFloat16(v);
   }
-  *d = amax / L;
-  return sum;
-}
+};
 
 #ifdef DEEPINFER_AVX2
 
@@ -240,7 +220,7 @@ inline void group_float(const Rows& a, const Packed& w, const uint8_t* q, int64_
 
 // y rows m0 .. m0 + MT of one block of 8 output rows (n0 .. n0 + valid).
 template <int BITS, int MT, Path P>
-void block_tile(const Rows& a, const Packed& w, int64_t N, int64_t n0, int valid, float* y) {
+void block_tile(const Rows& a, const Packed& w, int64_t n0, int valid, const Out& y) {
   __m256 acc[MT];
   for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
   for (int64_t g = 0; g < w.groups; ++g) {
@@ -251,14 +231,14 @@ void block_tile(const Rows& a, const Packed& w, int64_t N, int64_t n0, int valid
   for (int m = 0; m < MT; ++m) {
     alignas(32) float out[ROWS];
     _mm256_store_ps(out, acc[m]);
-    for (int r = 0; r < valid; ++r) y[m * N + n0 + r] = w.bias == nullptr ? out[r] : out[r] + w.bias[n0 + r];
+    for (int r = 0; r < valid; ++r) y.put(m, n0 + r, w.bias == nullptr ? out[r] : out[r] + w.bias[n0 + r]);
   }
 }
 
 #else  // portable scalar code
 
 template <int BITS, int MT, Path P>
-void block_tile(const Rows& a, const Packed& w, int64_t N, int64_t n0, int valid, float* y) {
+void block_tile(const Rows& a, const Packed& w, int64_t n0, int valid, const Out& y) {
   for (int m = 0; m < MT; ++m) {
     for (int r = 0; r < valid; ++r) {
       float acc = 0.f;
@@ -277,7 +257,7 @@ void block_tile(const Rows& a, const Packed& w, int64_t N, int64_t n0, int valid
         }
         if (w.offset != nullptr) acc = std::fma(w.offset[g * ROWS + r], a.xsum[mg], acc);
       }
-      y[m * N + n0 + r] = w.bias == nullptr ? acc : acc + w.bias[n0 + r];
+      y.put(m, n0 + r, w.bias == nullptr ? acc : acc + w.bias[n0 + r]);
     }
   }
 }
@@ -287,7 +267,7 @@ void block_tile(const Rows& a, const Packed& w, int64_t N, int64_t n0, int valid
 // Blocks b0 .. b1 for every row of x: each block's codes are read from memory once, then reused
 // from cache for the next MT rows.
 template <int BITS, Path P>
-void blocks(const Rows& a, const Packed& w, int64_t M, int64_t N, int64_t b0, int64_t b1, float* y) {
+void blocks(const Rows& a, const Packed& w, int64_t M, int64_t N, int64_t b0, int64_t b1, const Out& y) {
   for (int64_t b = b0; b < b1; ++b) {
     const Packed wb{w.codes + b * w.groups * block_bytes<BITS>(), w.scale + b * w.groups * ROWS,
                     w.offset == nullptr ? nullptr : w.offset + b * w.groups * ROWS, w.bias, w.groups};
@@ -295,12 +275,12 @@ void blocks(const Rows& a, const Packed& w, int64_t M, int64_t N, int64_t b0, in
     const int valid = static_cast<int>(std::min<int64_t>(ROWS, N - n0));
     for (int64_t m0 = 0; m0 < M; m0 += MAX_MT) {
       const Rows am = a.at(m0);
-      float* ym = y + m0 * N;
+      const Out ym = y.at(m0);
       switch (std::min<int64_t>(MAX_MT, M - m0)) {
-        case 1: block_tile<BITS, 1, P>(am, wb, N, n0, valid, ym); break;
-        case 2: block_tile<BITS, 2, P>(am, wb, N, n0, valid, ym); break;
-        case 3: block_tile<BITS, 3, P>(am, wb, N, n0, valid, ym); break;
-        default: block_tile<BITS, 4, P>(am, wb, N, n0, valid, ym); break;
+        case 1: block_tile<BITS, 1, P>(am, wb, n0, valid, ym); break;
+        case 2: block_tile<BITS, 2, P>(am, wb, n0, valid, ym); break;
+        case 3: block_tile<BITS, 3, P>(am, wb, n0, valid, ym); break;
+        default: block_tile<BITS, 4, P>(am, wb, n0, valid, ym); break;
       }
     }
   }
@@ -311,8 +291,9 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor
                   int64_t out_features, int64_t bits, int64_t act_bits, bool vnni) {
   TORCH_CHECK(bits == 8 || bits == 4, "bits must be 8 or 4, got ", bits);
   TORCH_CHECK(act_bits == 32 || act_bits == 16 || act_bits == 8, "act_bits must be 32, 16 or 8, got ", act_bits);
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 2 && x.is_contiguous(),
-              "x must be a contiguous 2-D float32 CPU tensor");
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(x.device().is_cpu() && (bf16 || x.scalar_type() == at::kFloat) && x.dim() == 2 && x.is_contiguous(),
+              "x must be a contiguous 2-D float32 or bfloat16 CPU tensor");
   const int64_t M = x.size(0), K = x.size(1), N = out_features, groups = K / GROUP;
   const int64_t nblocks = (N + ROWS - 1) / ROWS;
   TORCH_CHECK(K % GROUP == 0, "in_features (", K, ") must be a multiple of ", GROUP);
@@ -335,42 +316,16 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor
   }
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
-  const float* xp = x.data_ptr<float>();
-  const int64_t nblk = M * groups;
-  std::vector<float> xsum(off != nullptr ? nblk : 0), xd;
-  std::vector<int16_t> xq;
-  std::vector<uint8_t> xb;
 #ifdef DEEPINFER_VNNI
   const Path ints = !vnni ? Path::int16 : act_bits == 8 ? Path::bytes_vnni : Path::int16_vnni;
 #else
   const Path ints = Path::int16;  // (vnni: no such code in this build)
 #endif
   const Path path = act_bits == 32 ? Path::floats : ints;
-  if (act_bits != 32) {
-    xq.resize(nblk * GROUP);
-    xd.resize(nblk);
-    if (path == Path::bytes_vnni) xb.resize(nblk * GROUP);
-    const float L = act_bits == 16 ? 32767.f : 127.f;
-    at::parallel_for(0, nblk, 256, [&](int64_t i0, int64_t i1) {
-      for (int64_t i = i0; i < i1; ++i) {
-        int16_t* q = xq.data() + i * GROUP;
-        const int32_t sum = quantize_block(xp + i * GROUP, q, &xd[i], L);
-        if (off != nullptr) xsum[i] = xd[i] * static_cast<float>(sum);
-        for (int j = 0; j < (xb.empty() ? 0 : GROUP); ++j)  // int8 weights take x + 128 as unsigned
-          xb[i * GROUP + j] = static_cast<uint8_t>(q[byte_order(bits, j)] + (bits == 8 ? 128 : 0));
-      }
-    });
-  } else if (off != nullptr) {
-    for (int64_t i = 0; i < nblk; ++i) {
-      float s = 0.f;
-      for (int64_t j = 0; j < GROUP; ++j) s += xp[i * GROUP + j];
-      xsum[i] = s;
-    }
-  }
-  auto data = [](auto& v) { return v.empty() ? nullptr : v.data(); };
-  const Rows a{xp, data(xq), data(xb), data(xd), data(xsum), K};
+  const Activations acts(x, bits, act_bits, path, off != nullptr);
+  const Rows a = acts.rows();
   const Packed w{static_cast<const uint8_t*>(codes.data_ptr()), scale.data_ptr<float>(), off, b, groups};
-  float* yp = y.data_ptr<float>();
+  const Out yp{bf16 ? nullptr : y.data_ptr<float>(), bf16 ? y.data_ptr<at::BFloat16>() : nullptr, N};
   // at least ~64K multiply-adds per task: smaller layers are not worth waking a thread for
   const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, M * K * ROWS));
   at::parallel_for(0, nblocks, grain, [&](int64_t b0, int64_t b1) {
