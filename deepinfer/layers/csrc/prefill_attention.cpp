@@ -43,6 +43,8 @@ using bf16 = c10::BFloat16;
 constexpr int64_t kRows = 16;  // query rows per work item: one vector lane each
 constexpr int64_t kKeys = 16;  // keys per tile
 constexpr int64_t kCols = 8;   // value columns accumulated in registers at a time
+constexpr int64_t kGroup = 16;   // blocks of one kv head that walk the keys together
+constexpr int64_t kChunk = 512;  // keys (a multiple of kKeys) every block of a group reads in turn
 
 // 2^x as 2^n * 2^f, f in [-0.5, 0.5] by a degree-6 polynomial (relative error ~2e-7, far below
 // the bf16 rounding of the probabilities); inputs below -126 give ~0.
@@ -140,6 +142,53 @@ inline void tile_values(const __m512* p, __m512 alpha, const bf16* vp, int64_t D
   }
 }
 
+// One block of 16 query rows of one kv head, between key tiles: its packed queries, running
+// max and sum (base 2), accumulator, causal limits.
+struct Block {
+  int64_t h, row0, n_rows, keys, unmasked;  // keys: tiles end before it; unmasked: no tile masked
+  __m512 m, l;
+  __m512i lim;  // per row: the last key it sees
+  bf16* qp;     // [D/2][16][2]
+  float* acc;   // [Dv][16]
+};
+
+// The block's online softmax over the key tiles starting in [j0, j1).
+void block_tiles(Block& b, int64_t j0, int64_t j1, const Pages& kp, const bf16* vpack, int64_t tiles,
+                 int64_t D, int64_t Dv, float sl2) {
+  const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512 m = b.m, l = b.l;
+  for (; j0 < j1; j0 += kKeys) {
+    const bf16* k[kKeys];
+    for (int64_t j = 0; j < kKeys; ++j) k[j] = kp.row(j0 + j < b.keys ? j0 + j : j0, b.h);
+    __m512 s[kKeys];
+    tile_scores(b.qp, k, D, s);
+    __mmask16 vis[kKeys];
+    const bool masked = j0 + kKeys > b.unmasked;
+#pragma GCC unroll 16
+    for (int64_t j = 0; j < kKeys; ++j)
+      vis[j] = masked ? _mm512_cmple_epi32_mask(_mm512_set1_epi32(static_cast<int32_t>(j0 + j)), b.lim)
+                      : static_cast<__mmask16>(0xFFFF);
+    __m512 bm = m;
+#pragma GCC unroll 16
+    for (int64_t j = 0; j < kKeys; ++j) {
+      s[j] = _mm512_mask_mul_ps(ninf, vis[j], s[j], _mm512_set1_ps(sl2));
+      bm = _mm512_max_ps(bm, s[j]);
+    }
+    // key 0 is visible to every row, so bm is finite from the first tile on; alpha ~0 there
+    const __m512 alpha = exp2_16(_mm512_sub_ps(m, bm));
+    m = bm;
+    l = _mm512_mul_ps(l, alpha);
+#pragma GCC unroll 16
+    for (int64_t j = 0; j < kKeys; ++j) {
+      s[j] = _mm512_maskz_mov_ps(vis[j], exp2_16(_mm512_sub_ps(s[j], m)));
+      l = _mm512_add_ps(l, s[j]);
+    }
+    tile_values(s, alpha, vpack + (b.h * tiles + j0 / kKeys) * kKeys * Dv, Dv, b.acc);
+  }
+  b.m = m;
+  b.l = l;
+}
+
 void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const int64_t* table,
          int64_t start, float scale, at::Tensor& out) {
   const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = k_cache.size(2), S = k_cache.size(1);
@@ -157,57 +206,53 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   const float sl2 = scale * 1.44269504088896341f;  // scores in base 2: e^(s scale) = 2^(s sl2)
   const int64_t items = Hkv * blocks, nt = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items));
   at::parallel_for(0, nt, 1, [&](int64_t t_begin, int64_t t_end) {
-    std::vector<bf16> qp(D * kRows);
-    std::vector<float> acc(Dv * kRows);  // [Dv][16 rows]
+    std::vector<bf16> qbuf(kGroup * D * kRows);
+    std::vector<float> abuf(kGroup * Dv * kRows);
+    Block group[kGroup];
     for (int64_t tid = t_begin; tid < t_end; ++tid)
-      for (int64_t it = tid; it < items; it += nt) {  // longest blocks (last rows) first
-        const int64_t h = it % Hkv, row0 = (blocks - 1 - it / Hkv) * kRows;
-        const int64_t n_rows = std::min(kRows, rows - row0);
-        const int64_t t_first = row0 / G, t_last = (row0 + n_rows - 1) / G;
-        alignas(64) int32_t lim_rows[kRows];
-        for (int64_t i = 0; i < kRows; ++i)
-          lim_rows[i] = static_cast<int32_t>(start + (i < n_rows ? (row0 + i) / G : t_last));
-        const __m512i lim = _mm512_load_si512(lim_rows);
-        pack_queries(qd, row0, n_rows, G, h, Hq, D, qp.data());
-        std::fill(acc.begin(), acc.end(), 0.f);
-        const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-        __m512 m = ninf, l = _mm512_setzero_ps();
-        const int64_t keys = start + t_last + 1, unmasked = start + t_first + 1;
-        for (int64_t j0 = 0; j0 < keys; j0 += kKeys) {
-          const bf16* k[kKeys];
-          for (int64_t j = 0; j < kKeys; ++j) k[j] = kp.row(j0 + j < keys ? j0 + j : j0, h);
-          __m512 s[kKeys];
-          tile_scores(qp.data(), k, D, s);
-          __mmask16 vis[kKeys];
-          const bool masked = j0 + kKeys > unmasked;
-#pragma GCC unroll 16
-          for (int64_t j = 0; j < kKeys; ++j)
-            vis[j] = masked ? _mm512_cmple_epi32_mask(_mm512_set1_epi32(static_cast<int32_t>(j0 + j)), lim)
-                            : static_cast<__mmask16>(0xFFFF);
-          __m512 bm = m;
-#pragma GCC unroll 16
-          for (int64_t j = 0; j < kKeys; ++j) {
-            s[j] = _mm512_mask_mul_ps(ninf, vis[j], s[j], _mm512_set1_ps(sl2));
-            bm = _mm512_max_ps(bm, s[j]);
+      for (int64_t h = 0; h < Hkv; ++h) {
+        // this thread's blocks of head h: every nt-th item, longest (last rows) first
+        std::vector<int64_t> mine;
+        for (int64_t it = tid; it < items; it += nt)
+          if (it % Hkv == h) mine.push_back(blocks - 1 - it / Hkv);
+        for (size_t g0 = 0; g0 < mine.size(); g0 += kGroup) {
+          const int64_t n = std::min<int64_t>(kGroup, mine.size() - g0);
+          int64_t keys = 0;
+          for (int64_t i = 0; i < n; ++i) {
+            Block& b = group[i];
+            b.h = h;
+            b.row0 = mine[g0 + i] * kRows;
+            b.n_rows = std::min(kRows, rows - b.row0);
+            const int64_t t_first = b.row0 / G, t_last = (b.row0 + b.n_rows - 1) / G;
+            alignas(64) int32_t lim[kRows];
+            for (int64_t r = 0; r < kRows; ++r)
+              lim[r] = static_cast<int32_t>(start + (r < b.n_rows ? (b.row0 + r) / G : t_last));
+            b.lim = _mm512_load_si512(lim);
+            b.keys = start + t_last + 1;
+            b.unmasked = start + t_first + 1;
+            b.m = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+            b.l = _mm512_setzero_ps();
+            b.qp = qbuf.data() + i * D * kRows;
+            b.acc = abuf.data() + i * Dv * kRows;
+            pack_queries(qd, b.row0, b.n_rows, G, h, Hq, D, b.qp);
+            std::fill(b.acc, b.acc + Dv * kRows, 0.f);
+            keys = std::max(keys, b.keys);
           }
-          // key 0 is visible to every row, so bm is finite from the first tile on; alpha ~0 there
-          const __m512 alpha = exp2_16(_mm512_sub_ps(m, bm));
-          m = bm;
-          l = _mm512_mul_ps(l, alpha);
-#pragma GCC unroll 16
-          for (int64_t j = 0; j < kKeys; ++j) {
-            s[j] = _mm512_maskz_mov_ps(vis[j], exp2_16(_mm512_sub_ps(s[j], m)));
-            l = _mm512_add_ps(l, s[j]);
+          // key chunks outer: a chunk's keys and values stay in cache for every block of the group
+          for (int64_t c0 = 0; c0 < keys; c0 += kChunk)
+            for (int64_t i = 0; i < n; ++i)
+              block_tiles(group[i], c0, std::min(c0 + kChunk, group[i].keys), kp, vpack.data(), tiles, D, Dv, sl2);
+          for (int64_t i = 0; i < n; ++i) {
+            const Block& b = group[i];
+            alignas(64) float lr[kRows];
+            _mm512_store_ps(lr, b.l);
+            for (int64_t r = 0; r < b.n_rows; ++r) {
+              const int64_t row = b.row0 + r;
+              bf16* o = od + ((row / G) * Hq + h * G + row % G) * Dv;
+              const float inv = 1.f / lr[r];
+              for (int64_t d = 0; d < Dv; ++d) o[d] = static_cast<bf16>(b.acc[d * kRows + r] * inv);
+            }
           }
-          tile_values(s, alpha, vpack.data() + (h * tiles + j0 / kKeys) * tile_elems, Dv, acc.data());
-        }
-        alignas(64) float lr[kRows];
-        _mm512_store_ps(lr, l);
-        for (int64_t i = 0; i < n_rows; ++i) {
-          const int64_t r = row0 + i;
-          bf16* o = od + ((r / G) * Hq + h * G + r % G) * Dv;
-          const float inv = 1.f / lr[i];
-          for (int64_t d = 0; d < Dv; ++d) o[d] = static_cast<bf16>(acc[d * kRows + i] * inv);
         }
       }
   });
