@@ -90,6 +90,7 @@ def split(llm, prompt: list[int]) -> dict[str, float]:
 
 def profile_rows(model: str | None) -> list[str]:
     from deepinfer.llm import LLM
+    from deepinfer.sampling_params import SamplingParams
 
     g = torch.Generator().manual_seed(0)
     cached = torch.randint(100, 40000, (7920,), generator=g).tolist()
@@ -97,10 +98,10 @@ def profile_rows(model: str | None) -> list[str]:
     for backend in ("auto", "torch"):
         llm = LLM(model, progress=False, dtype="bfloat16", host_cache_gb=0, enable_disk_cache=False,
                   attention_backend=backend, max_num_batched_tokens=2048)
-        warm = torch.randint(100, 40000, (96,), generator=g).tolist()
-        split(llm, warm)  # first-call costs (kernel load, allocations)
+        one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        llm.generate(torch.randint(100, 40000, (96,), generator=g).tolist(), one)  # first-call costs
         cases = [("2,048 cold", torch.randint(100, 40000, (2048,), generator=g).tolist())]
-        split(llm, cached + torch.randint(100, 40000, (80,), generator=g).tolist())  # fill L1
+        llm.generate(cached + torch.randint(100, 40000, (80,), generator=g).tolist(), one)  # fill L1
         cases.append(("80 after 7,920 (L1)", cached + torch.randint(100, 40000, (80,), generator=g).tolist()))
         for name, prompt in cases:
             s = split(llm, prompt)

@@ -112,3 +112,38 @@ def test_torch_path_where_the_kernel_does_not_apply():
     b = q.bfloat16(), cache.bfloat16()
     assert prefill_backend(b[0][..., :7], b[1][..., :7], b[1][..., :7], "auto") == "torch"  # odd head dim
     assert prefill_backend(b[0][..., :8], b[1][..., :8], b[1][..., :8], "auto") == "torch"  # values not x16
+
+
+@needs_kernel
+def test_bf16_greedy_identical_at_one_and_two_threads(tiny_llama, monkeypatch):
+    """Through the engine in bfloat16: chunked cold prefills and a prefix-cache tail run the
+    kernel, and greedy tokens do not depend on the thread count."""
+    from deepinfer.layers import attention
+    from deepinfer.llm import LLM
+    from deepinfer.sampling_params import SamplingParams
+    from deepinfer.threads import apply_thread_policy
+
+    starts = []
+
+    def counted(q, k_cache, v_cache, pages, start, scale):
+        starts.append(start)
+        return native_prefill(q, k_cache, v_cache, pages, start, scale)
+
+    monkeypatch.setattr(attention, "native_prefill", counted)
+    shared = [(7 * i) % 300 + 10 for i in range(70)]
+    prompts = [shared + [5, 9, 12], [2, 8, 8, 31, 40, 41], shared + [77] * 11]
+    params = SamplingParams(max_tokens=12, temperature=0)
+    before = torch.get_num_threads()
+    outs = {}
+    try:
+        for threads in (1, 2):
+            llm = LLM(str(tiny_llama), threads=threads, dtype="bfloat16", progress=False, host_cache_gb=0,
+                      enable_disk_cache=False, max_num_batched_tokens=32)
+            outs[threads] = [o.token_ids for o in llm.generate(prompts[:2], params)]
+            tail = llm.generate(prompts[2:], params)[0]  # after the first prompt's pages
+            assert tail.num_cached_tokens >= 64
+            outs[threads].append(tail.token_ids)
+    finally:
+        apply_thread_policy(before)
+    assert outs[1] == outs[2] and all(len(t) == 12 for t in outs[1])
+    assert 0 in starts and 32 in starts and max(starts) >= 64  # cold, chunked and tail chunks ran it
