@@ -117,8 +117,9 @@ inline void tile_scores(const bf16* qp, const bf16* const* k, int64_t D, __m512*
   }
 }
 
-// acc[d] = acc[d] * alpha + sum_j p[j] v[j][d] over the tile, p as bf16 key pairs.
-inline void tile_values(const __m512* p, __m512 alpha, const bf16* vp, int64_t Dv, float* acc) {
+// acc[d] = acc[d] * alpha + sum_j p[j] v[j][d] over the tile, p as bf16 key pairs (no rescale
+// where no row's running max moved: alpha is 1 there, the common case deep into the keys).
+inline void tile_values(const __m512* p, __m512 alpha, bool rescale, const bf16* vp, int64_t Dv, float* acc) {
   // pair lanes: element 2i is row i of the even key, 2i+1 of the odd key
   const __m512i inter = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
                                          23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
@@ -130,7 +131,10 @@ inline void tile_values(const __m512* p, __m512 alpha, const bf16* vp, int64_t D
   for (int64_t d = 0; d < Dv; d += kCols) {
     __m512 o[kCols];
 #pragma GCC unroll 8
-    for (int64_t c = 0; c < kCols; ++c) o[c] = _mm512_mul_ps(_mm512_loadu_ps(acc + (d + c) * kRows), alpha);
+    for (int64_t c = 0; c < kCols; ++c) {
+      o[c] = _mm512_loadu_ps(acc + (d + c) * kRows);
+      if (rescale) o[c] = _mm512_mul_ps(o[c], alpha);
+    }
 #pragma GCC unroll 8
     for (int64_t jp = 0; jp < kKeys / 2; ++jp) {
 #pragma GCC unroll 8
@@ -175,6 +179,7 @@ void block_tiles(Block& b, int64_t j0, int64_t j1, const Pages& kp, const bf16* 
       bm = _mm512_max_ps(bm, s[j]);
     }
     // key 0 is visible to every row, so bm is finite from the first tile on; alpha ~0 there
+    const bool rescale = _mm512_cmp_ps_mask(bm, m, _CMP_NEQ_OQ) != 0 || j0 == 0;
     const __m512 alpha = exp2_16(_mm512_sub_ps(m, bm));
     m = bm;
     l = _mm512_mul_ps(l, alpha);
@@ -183,7 +188,7 @@ void block_tiles(Block& b, int64_t j0, int64_t j1, const Pages& kp, const bf16* 
       s[j] = _mm512_maskz_mov_ps(vis[j], exp2_16(_mm512_sub_ps(s[j], m)));
       l = _mm512_add_ps(l, s[j]);
     }
-    tile_values(s, alpha, vpack + (b.h * tiles + j0 / kKeys) * kKeys * Dv, Dv, b.acc);
+    tile_values(s, alpha, rescale, vpack + (b.h * tiles + j0 / kKeys) * kKeys * Dv, Dv, b.acc);
   }
   b.m = m;
   b.l = l;
