@@ -1,6 +1,6 @@
 """Where a bf16 prefill's time goes, and our prefill attention kernel against torch's path (issues 11, 17).
 
-Two parts, one run:
+Three parts, one run:
 - ``kernel``: one layer's attention at SmolLM2-135M's shapes (9 q heads, 3 kv heads, head dim
   64, page size 16): an 80-token tail over 7,920 cached tokens and cold 512 / 2,048-token chunks,
   our kernel (``layers/native_prefill.py``) and the torch path (page gather + flash SDPA)
@@ -8,6 +8,9 @@ Two parts, one run:
 - ``profile``: the torch profiler over the engine's forward of a cold 2,048-token prompt and of
   the 80-token tail after a 7,920-token L1 hit, each with the kernel (``auto``) and with
   ``--attention-backend torch``: self CPU time split into attention, linears and the rest.
+- ``engine``: whole prefills through ``LLM.generate`` (one output token), bf16 with the kernel,
+  bf16 with ``--attention-backend torch`` and transformers bf16, interleaved round by round,
+  best round each; and the TTFT of an 80-token tail after a 7,920-token L1 hit, kernel vs torch.
 
 Shared machine: use the ratios, not the absolute times. ``--threads 1`` times the kernel on the
 thread's CPU clock (robust to neighbours); more threads use the wall clock.
@@ -28,6 +31,9 @@ from deepinfer.hardware import lscpu_model  # noqa: E402
 from deepinfer.layers.chunk_attention import prefix_then_causal  # noqa: E402
 from deepinfer.layers.native_prefill import native_prefill, native_prefill_kernel  # noqa: E402
 from deepinfer.threads import apply_thread_policy  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from core import fastest, random_prompts, timed  # noqa: E402
 
 HQ, HKV, D, PS = 9, 3, 64, 16
 ATTENTION = ("deepinfer_prefill::prefill_attention", "aten::_scaled_dot_product_flash_attention_for_cpu")
@@ -111,16 +117,57 @@ def profile_rows(model: str | None) -> list[str]:
     return rows
 
 
+def engine_rows(model: str | None, lengths: list[int], rounds: int) -> list[str]:
+    from transformers import AutoModelForCausalLM
+
+    from deepinfer.llm import LLM
+    from deepinfer.sampling_params import SamplingParams
+
+    one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    llms = {backend: LLM(model, progress=False, dtype="bfloat16", host_cache_gb=0, enable_disk_cache=False,
+                         attention_backend=backend, max_num_batched_tokens=8192, speculative_config=None)
+            for backend in ("auto", "torch")}
+    first = llms["auto"].engine
+    hf = AutoModelForCausalLM.from_pretrained(first.checkpoint_path, dtype=torch.bfloat16).eval()
+    vocab = first.hf_config.vocab_size
+    for llm in llms.values():
+        llm.generate(random_prompts(1, 16, vocab, seed=7)[0], one)  # first-call costs
+    rows = ["| prefill tokens | ours, kernel tok/s | ours, torch attention tok/s | transformers tok/s | "
+            "kernel / torch | kernel / transformers |", "|---|---|---|---|---|---|"]
+    for n in lengths:
+        prompts = iter(random_prompts(3 * rounds, n, vocab, seed=n))  # fresh each call: no prefix hits
+
+        def reference():
+            x = torch.tensor([next(prompts)])
+            with torch.inference_mode():
+                return timed(lambda: hf(x, use_cache=False, logits_to_keep=1))
+
+        fns = [lambda llm=llm: (lambda ids: timed(lambda: llm.generate(ids, one)))(next(prompts))
+               for llm in llms.values()] + [reference]
+        t = fastest(fns, rounds)
+        rows.append(f"| {n} | {n / t[0]:.1f} | {n / t[1]:.1f} | {n / t[2]:.1f} | {t[1] / t[0]:.2f}x | "
+                    f"{t[2] / t[0]:.2f}x |")
+    cached = random_prompts(1, 7920, vocab, seed=1)[0]
+    tails = iter(random_prompts(2 * rounds + 2, 80, vocab, seed=2))
+    for llm in llms.values():
+        llm.generate(cached + next(tails), one)  # the 7,920 tokens into L1
+    fns = [lambda llm=llm: llm.generate(cached + next(tails), one)[0].ttft for llm in llms.values()]
+    t = fastest(fns, rounds)
+    rows += ["", "| 80-token tail after 7,920 L1-cached | kernel TTFT s | torch attention TTFT s | torch / kernel |",
+             "|---|---|---|---|", f"| bf16 | {t[0]:.3f} | {t[1]:.3f} | {t[1] / t[0]:.2f}x |"]
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--model", default=None, help="checkpoint (default: embedded SmolLM2-135M)")
-    ap.add_argument("--only", choices=("kernel", "profile"), action="append")
-    ap.add_argument("--quick", action="store_true", help="2 rounds")
+    ap.add_argument("--only", choices=("kernel", "profile", "engine"), action="append")
+    ap.add_argument("--quick", action="store_true", help="2 rounds; engine: 512 tokens only")
     args = ap.parse_args()
     apply_thread_policy(args.threads)
-    only = set(args.only or ("kernel", "profile"))
+    only = set(args.only or ("kernel", "profile", "engine"))
     print(f"CPU: {lscpu_model()}, {args.threads} threads, kernel: {native_prefill_kernel()}")
     if "kernel" in only:
         clock = time.thread_time if args.threads == 1 else time.perf_counter
@@ -130,6 +177,9 @@ def main() -> None:
     if "profile" in only:
         print("forward of one prompt, torch profiler, self CPU time shares")
         print("\n".join(profile_rows(args.model)))
+    if "engine" in only:
+        print(f"whole prefills, best of {2 if args.quick else args.rounds} interleaved rounds, wall time")
+        print("\n".join(engine_rows(args.model, [512] if args.quick else [512, 2048], 2 if args.quick else args.rounds)))
 
 
 if __name__ == "__main__":
