@@ -23,9 +23,9 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import deepinfer  # noqa: E402, F401  (first: sets the OpenMP wait policy before torch loads)
+import torch  # noqa: E402
 
 from deepinfer.hardware import lscpu_model  # noqa: E402
 from deepinfer.layers.chunk_attention import prefix_then_causal  # noqa: E402
