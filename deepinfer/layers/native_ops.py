@@ -2,11 +2,9 @@
 embedding (NeoX halves), RMSNorm, and a residual add fused with the next RMSNorm.
 
 At batch-1 decode each of these runs on a few hundred values, so a torch op costs its dispatch
-and temporaries more than its arithmetic; one native call replaces the several ops of each. In
-bfloat16 torch's code also widens to float32 and rounds back around each op, a pass over the
-activations each, which a bf16 prefill pays on every layer. ``small_ops_apply`` is the one check
-of where they run (float32 or bfloat16 on the CPU, when it built); elsewhere the torch code of
-``norm.py`` / ``rotary.py`` runs.
+and temporaries more than its arithmetic; one native call replaces the several ops of each.
+``small_ops_apply`` is the one check of where they run (float32 on the CPU, when it built);
+elsewhere the torch code of ``norm.py`` / ``rotary.py`` runs.
 """
 
 from __future__ import annotations
@@ -30,4 +28,4 @@ def small_ops_kernel() -> NativeExtension:
 
 def small_ops_apply(x: torch.Tensor) -> bool:
     """Whether the native small ops compute on ``x``."""
-    return x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and small_ops_kernel().loaded
+    return x.device.type == "cpu" and x.dtype == torch.float32 and small_ops_kernel().loaded

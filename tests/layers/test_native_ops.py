@@ -1,5 +1,5 @@
-"""The native small ops (``layers/native_ops.py``): rotary and RMSNorm (with the residual add),
-float32 and bfloat16, against torch's code paths they replace, on the shapes and strides the models pass; the same
+"""The native small ops (``layers/native_ops.py``): rotary and RMSNorm (with the residual add)
+against torch's code paths they replace, on the shapes and strides the models pass; the same
 bits on any thread count; torch's code where they do not apply or are disabled."""
 
 from __future__ import annotations
@@ -30,11 +30,10 @@ def _rotary(dim: int = 64, scaling: float = 0.9) -> RotaryEmbedding:
     return RotaryEmbedding(1.0 / 10000 ** (torch.arange(0, dim, 2).float() / dim), 4096, scaling=scaling)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens", [1, 3, 200])
-def test_rotary_same_bits_as_torch_on_fused_projection_views(kernel, monkeypatch, tokens, dtype):
+def test_rotary_same_bits_as_torch_on_fused_projection_views(kernel, monkeypatch, tokens):
     g = torch.Generator().manual_seed(tokens)
-    qkv = torch.randn(tokens, (9 + 3 + 3) * 64, generator=g).to(dtype)
+    qkv = torch.randn(tokens, (9 + 3 + 3) * 64, generator=g)
     q, k, _ = qkv.split([9 * 64, 3 * 64, 3 * 64], dim=-1)  # strided views, as the models pass them
     q, k = q.view(tokens, 9, 64), k.view(tokens, 3, 64)
     positions = torch.randint(0, 4096, (tokens,), generator=g)
@@ -42,7 +41,7 @@ def test_rotary_same_bits_as_torch_on_fused_projection_views(kernel, monkeypatch
     got = rot(positions, q), rot(positions, k)
     _torch_only(monkeypatch)
     want = rot(positions, q), rot(positions, k)
-    assert got[0].dtype == dtype and torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
 def test_rotary_cases_left_to_torch(kernel):
@@ -51,7 +50,7 @@ def test_rotary_cases_left_to_torch(kernel):
     positions = torch.tensor([5, 9])
     inv = rot(positions, rot(positions, x), inverse=True)  # inverse runs torch's code
     assert (inv - x).abs().max() < 1e-5
-    assert not small_ops_apply(x.to(torch.float16))
+    assert not small_ops_apply(x.to(torch.bfloat16))
 
 
 @pytest.mark.parametrize("unit_offset", [False, True])
@@ -68,22 +67,6 @@ def test_rms_norm_matches_torch(kernel, monkeypatch, unit_offset, shape):
     want_s, want_n = layer.add_forward(x.reshape(-1, shape[-1]), r.reshape(-1, shape[-1]))
     assert got.shape == want.shape and (got - want).abs().max() <= 1e-6 * want.abs().max()
     assert torch.equal(s, want_s) and (n - want_n).abs().max() <= 1e-6 * want_n.abs().max()
-
-
-@pytest.mark.parametrize("shape", [(1, 576), (130, 64)])
-def test_bf16_rms_norm_within_one_rounding_of_torch(kernel, monkeypatch, shape):
-    """bfloat16 in and out, float32 inside: the residual sum has torch's bits, the norm differs
-    from torch's by at most one bf16 rounding (its float32 sum of squares is ordered differently)."""
-    g = torch.Generator().manual_seed(sum(shape))
-    layer = RMSNorm(shape[-1], 1e-5)
-    layer.weight.data = torch.randn(shape[-1], generator=g)
-    x, r = torch.randn(*shape, generator=g).bfloat16(), torch.randn(*shape, generator=g).bfloat16()
-    got, (s, n) = layer(x), layer.add_forward(x, r)
-    _torch_only(monkeypatch)
-    want, (want_s, want_n) = layer(x), layer.add_forward(x, r)
-    assert got.dtype == n.dtype == torch.bfloat16 and torch.equal(s, want_s)
-    for a, b in ((got, want), (n, want_n)):
-        assert ((a.float() - b.float()).abs() <= b.float().abs() * 2 ** -8 + 1e-30).all()
 
 
 def test_same_bits_on_any_thread_count(kernel):

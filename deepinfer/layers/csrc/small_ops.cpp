@@ -1,17 +1,13 @@
-// The small per-layer ops of a step in one call each (float32 or bfloat16, CPU). At batch 1 each
+// The small per-layer ops of a decode step in one call each (float32, CPU). At batch 1 each
 // torch op on a few hundred values costs its dispatch, not its arithmetic: rotary alone is about
-// ten ops per tensor, RMSNorm five. In bfloat16 torch's code also converts to float32 and back
-// around each of them, which costs a bf16 prefill more than its attention's softmax; here each
-// value is widened once, computed in float32 and rounded once (to nearest even, as ``.to``
-// does). Rows are independent and each is computed by one thread, so results do not depend on
-// the thread count.
+// ten ops per tensor, RMSNorm five. Rows are independent and each is computed by one thread, so
+// results do not depend on the thread count.
 
 // Products are rounded one by one (no fused multiply-add), so rotary matches torch's bit for bit.
 #pragma GCC optimize("fp-contract=off")
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
 #include <cmath>
@@ -23,42 +19,10 @@ namespace {
 
 constexpr int64_t kRowsPerTask = 64;
 
-// float32 and bfloat16 activations; anything else is left to torch by the caller.
-void check_dtype(const at::Tensor& x) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "x must be float32 or bfloat16");
-}
-
-template <typename T>
-void rotate_rows(const at::Tensor& x, const float* cp, const float* sp, const int64_t* pos, at::Tensor& out) {
-  const int64_t T_ = x.size(0), H = x.size(1), D = x.size(2), half = D / 2;
-  const T* xp = x.data_ptr<T>();
-  T* op = out.data_ptr<T>();
-  const int64_t st = x.stride(0), sh = x.stride(1);
-  at::parallel_for(0, T_, kRowsPerTask, [&](int64_t lo, int64_t hi) {
-    for (int64_t t = lo; t < hi; ++t) {
-      const float* c = cp + pos[t] * half;
-      const float* s = sp + pos[t] * half;
-      for (int64_t h = 0; h < H; ++h) {
-        const T* x1 = xp + t * st + h * sh;
-        const T* x2 = x1 + half;
-        T* o = op + (t * H + h) * D;
-        for (int64_t i = 0; i < half; ++i) {
-          const float u = static_cast<float>(x1[i]), v = static_cast<float>(x2[i]);
-          const float a = u * c[i], b = v * s[i];  // rounded one by one, as torch does
-          const float e = v * c[i], f = u * s[i];
-          o[i] = static_cast<T>(a - b);
-          o[half + i] = static_cast<T>(e + f);
-        }
-      }
-    }
-  });
-}
-
 // x [T, H, D] (last dim dense) rotated by position, NeoX halves: (x1, x2) -> (x1 c - x2 s, x2 c + x1 s),
 // with cos/sin [max_positions, D / 2] float32.
 at::Tensor rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& positions) {
-  check_dtype(x);
-  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1, "x must be [T, H, D] with a dense last dim");
+  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat && x.stride(2) == 1, "x must be float32 [T, H, D]");
   const int64_t T = x.size(0), H = x.size(1), D = x.size(2), half = D / 2;
   TORCH_CHECK(D % 2 == 0 && cos.dim() == 2 && cos.size(1) == half && cos.is_contiguous() && sin.is_contiguous()
               && cos.sizes() == sin.sizes() && cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat,
@@ -69,78 +33,73 @@ at::Tensor rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
   for (int64_t t = 0; t < T; ++t)
     TORCH_CHECK(pos[t] >= 0 && pos[t] < cos.size(0), "position ", pos[t], " beyond the rotary table");
   at::Tensor out = at::empty({T, H, D}, x.options());
-  if (x.scalar_type() == at::kFloat)
-    rotate_rows<float>(x, cos.data_ptr<float>(), sin.data_ptr<float>(), pos, out);
-  else
-    rotate_rows<c10::BFloat16>(x, cos.data_ptr<float>(), sin.data_ptr<float>(), pos, out);
+  const float* xp = x.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t st = x.stride(0), sh = x.stride(1);
+  at::parallel_for(0, T, kRowsPerTask, [&](int64_t lo, int64_t hi) {
+    for (int64_t t = lo; t < hi; ++t) {
+      const float* c = cp + pos[t] * half;
+      const float* s = sp + pos[t] * half;
+      for (int64_t h = 0; h < H; ++h) {
+        const float* x1 = xp + t * st + h * sh;
+        const float* x2 = x1 + half;
+        float* o = op + (t * H + h) * D;
+        for (int64_t i = 0; i < half; ++i) {
+          const float a = x1[i] * c[i], b = x2[i] * s[i];  // rounded one by one, as torch does
+          const float e = x2[i] * c[i], f = x1[i] * s[i];
+          o[i] = a - b;
+          o[half + i] = e + f;
+        }
+      }
+    }
+  });
   return out;
 }
 
-template <typename T>
-void norm_row(const T* x, const float* w, float eps, int64_t N, T* o) {
+void norm_row(const float* x, const float* w, float eps, int64_t N, float* o) {
   double ss = 0.0;
-  for (int64_t i = 0; i < N; ++i) ss += static_cast<double>(static_cast<float>(x[i])) * static_cast<float>(x[i]);
+  for (int64_t i = 0; i < N; ++i) ss += static_cast<double>(x[i]) * x[i];
   const float inv = 1.0f / std::sqrt(static_cast<float>(ss / N) + eps);
-  for (int64_t i = 0; i < N; ++i) o[i] = static_cast<T>(static_cast<float>(x[i]) * inv * w[i]);
+  for (int64_t i = 0; i < N; ++i) o[i] = x[i] * inv * w[i];
 }
 
 void check_norm(const at::Tensor& x, const at::Tensor& w) {
-  check_dtype(x);
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x must be a contiguous [T, N] tensor");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x must be contiguous float32 [T, N]");
   TORCH_CHECK(w.dim() == 1 && w.size(0) == x.size(1) && w.scalar_type() == at::kFloat && w.is_contiguous(),
               "weight must be contiguous float32 [N]");
-}
-
-template <typename T>
-void norm_rows(const at::Tensor& x, const at::Tensor& w, float eps, at::Tensor& out) {
-  const int64_t N = x.size(1);
-  const T* xp = x.data_ptr<T>();
-  const float* wp = w.data_ptr<float>();
-  T* op = out.data_ptr<T>();
-  at::parallel_for(0, x.size(0), kRowsPerTask, [&](int64_t lo, int64_t hi) {
-    for (int64_t t = lo; t < hi; ++t) norm_row(xp + t * N, wp, eps, N, op + t * N);
-  });
 }
 
 // RMSNorm of each row of x [T, N]
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   check_norm(x, w);
+  const int64_t T = x.size(0), N = x.size(1);
   at::Tensor out = at::empty_like(x);
-  if (x.scalar_type() == at::kFloat)
-    norm_rows<float>(x, w, static_cast<float>(eps), out);
-  else
-    norm_rows<c10::BFloat16>(x, w, static_cast<float>(eps), out);
-  return out;
-}
-
-// sum = x + residual rounded to T (as torch's add), then its RMSNorm, row by row
-template <typename T>
-void add_norm_rows(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& w, float eps, at::Tensor& sum,
-                   at::Tensor& out) {
-  const int64_t N = x.size(1);
-  const T *xp = x.data_ptr<T>(), *rp = residual.data_ptr<T>();
-  const float* wp = w.data_ptr<float>();
-  T *sp = sum.data_ptr<T>(), *op = out.data_ptr<T>();
-  at::parallel_for(0, x.size(0), kRowsPerTask, [&](int64_t lo, int64_t hi) {
-    for (int64_t t = lo; t < hi; ++t) {
-      for (int64_t i = 0; i < N; ++i)
-        sp[t * N + i] = static_cast<T>(static_cast<float>(xp[t * N + i]) + static_cast<float>(rp[t * N + i]));
-      norm_row(sp + t * N, wp, eps, N, op + t * N);
-    }
+  const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, T, kRowsPerTask, [&](int64_t lo, int64_t hi) {
+    for (int64_t t = lo; t < hi; ++t) norm_row(xp + t * N, wp, static_cast<float>(eps), N, op + t * N);
   });
+  return out;
 }
 
 // (x + residual, RMSNorm(x + residual)): a residual add and the next norm in one pass
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& w,
                                                 double eps) {
   check_norm(x, w);
-  TORCH_CHECK(residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type() && residual.is_contiguous(),
-              "residual must be contiguous and like x");
+  TORCH_CHECK(residual.sizes() == x.sizes() && residual.scalar_type() == at::kFloat && residual.is_contiguous(),
+              "residual must be contiguous float32 like x");
+  const int64_t T = x.size(0), N = x.size(1);
   at::Tensor sum = at::empty_like(x), out = at::empty_like(x);
-  if (x.scalar_type() == at::kFloat)
-    add_norm_rows<float>(x, residual, w, static_cast<float>(eps), sum, out);
-  else
-    add_norm_rows<c10::BFloat16>(x, residual, w, static_cast<float>(eps), sum, out);
+  const float *xp = x.data_ptr<float>(), *rp = residual.data_ptr<float>(), *wp = w.data_ptr<float>();
+  float *sp = sum.data_ptr<float>(), *op = out.data_ptr<float>();
+  at::parallel_for(0, T, kRowsPerTask, [&](int64_t lo, int64_t hi) {
+    for (int64_t t = lo; t < hi; ++t) {
+      for (int64_t i = 0; i < N; ++i) sp[t * N + i] = xp[t * N + i] + rp[t * N + i];
+      norm_row(sp + t * N, wp, static_cast<float>(eps), N, op + t * N);
+    }
+  });
   return {sum, out};
 }
 
