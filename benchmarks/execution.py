@@ -8,6 +8,7 @@ own venv, one subprocess per measurement (its load time is not counted). Batched
 offered by llama-cpp-python's API, so its batch 8/32 cells stay empty.
 
     python benchmarks/execution.py [--quick] [--threads N] [--llamacpp-python PATH] [--only prefill]
+        [--sides bf16,fp32] [--lengths 512,2048]
     python benchmarks/execution.py --only decode --batches 1 --sides int4   # batch 1 vs llama.cpp only
 
 The prefill section also runs fp32 in the engine's default 2,048-token chunks (chunks after the
@@ -199,17 +200,22 @@ def main() -> None:
     ap.add_argument("--only", choices=["prefill", "decode", "contention"], action="append",
                     help="run only these sections (repeatable; default: all)")
     ap.add_argument("--batches", default=None, help="decode batch sizes, comma-separated (default 1,8,32; --quick: 1,8)")
-    ap.add_argument("--sides", default=None, help="DeepInfer configurations to run, comma-separated (default: all)")
+    ap.add_argument("--sides", default="", help="comma-separated DeepInfer configurations to run "
+                    "(fp32, bf16, int8, int4, 'int8 fbgemm (lossy)'; default: all); the fp32 chunked and "
+                    "tail cells need fp32")
+    ap.add_argument("--lengths", default="", help="comma-separated prefill lengths (default: 512,2048,8000)")
     ap.add_argument("--out", default="results/execution")
     args = ap.parse_args()
     threads = args.threads or available_cores()
     lengths, batches, new_tokens = ([512], [1, 8], 8) if args.quick else ([512, 2048, 8000], [1, 8, 32], 32)
     if args.batches:
         batches = [int(b) for b in args.batches.split(",")]
+    if args.lengths:
+        lengths = [int(n) for n in args.lengths.split(",")]
     peer = Path(args.llamacpp_python) if args.llamacpp_python and Path(args.llamacpp_python).exists() else None
     gguf = default_model_path()
     kv_gb = 0.25 if args.quick else 1.0
-    wanted = args.sides.split(",") if args.sides else None
+    wanted = set(args.sides.split(",")) if args.sides else None
     llms = {name: LLM(None, **kw) for name, kw in engine_sides(threads, kv_gb).items()
             if wanted is None or name in wanted}
     first = next(iter(llms.values())).engine
@@ -231,11 +237,12 @@ def main() -> None:
                                      if v.engine.runner.quant_plan.scheme != "none"), ""]
     if "prefill" in only:
         fp32 = engine_sides(threads, kv_gb)["fp32"]
-        sides = {**llms, chunked: LLM(None, **{**fp32, "max_num_batched_tokens": 2048})}
+        sides = {**llms, chunked: LLM(None, **{**fp32, "max_num_batched_tokens": 2048})} if "fp32" in llms else llms
         res["prefill"] = [prefill_row(n, sides, hf, peer, gguf, threads, vocab, args.rounds) for n in lengths]
-        res["prefill"].append(tail_row(lengths[0] if args.quick else 2048, 200,
-                                       LLM(None, **{**fp32, "enable_prefix_cache": True}), hf, vocab,
-                                       args.rounds))
+        if "fp32" in llms:
+            res["prefill"].append(tail_row(lengths[0] if args.quick else 2048, 200,
+                                           LLM(None, **{**fp32, "enable_prefix_cache": True}), hf, vocab,
+                                           args.rounds))
         lines += table("prefill tok/s, tokens", "tokens", res["prefill"], names) + [""]
     if "decode" in only:
         res["decode"] = [decode_row(b, llms, hf, peer, gguf, threads, vocab, new_tokens, args.rounds)

@@ -39,9 +39,10 @@ def native_kernels():
     comes first pays the build, and a worker answering /health meanwhile looks hung."""
     from deepinfer.layers.native_decode import native_decode_kernel
     from deepinfer.layers.native_ops import small_ops_kernel
+    from deepinfer.layers.native_prefill import native_prefill_kernel
     from deepinfer.layers.small_row_linear import small_rows_kernel
 
-    return native_decode_kernel(), small_ops_kernel(), small_rows_kernel()
+    return native_decode_kernel(), small_ops_kernel(), small_rows_kernel(), native_prefill_kernel()
 
 
 @pytest.fixture(scope="session")

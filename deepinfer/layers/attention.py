@@ -9,8 +9,8 @@ every layer; on the SDPA path the query heads sharing a KV head are folded into 
 query-length dimension, so grouped-query attention needs no repeated K/V. On the CPU our native
 kernel (``native_decode.py``) replaces that gather and SDPA: it reads the pages in place. Each
 prefill chunk runs on its own so its causal mask can start mid-sequence; on CPU a chunk after
-cached keys needs no mask at all (``chunk_attention.py``), and where our prefix kernel runs
-(``native_prefix.py``) it reads those cached keys in place instead of gathering them. Apart from
+cached keys needs no mask at all (``chunk_attention.py``), and where our prefill kernel runs
+(``native_prefill.py``) one call reads a chunk's cached and own keys in place instead. Apart from
 the native kernels, plain torch ops: runs on CPU and CUDA.
 """
 
@@ -20,9 +20,9 @@ import torch
 import torch.nn.functional as F
 
 from ..forward_batch import ForwardBatch
-from .chunk_attention import prefix_then_causal, splits_at_prefix, then_causal
+from .chunk_attention import prefix_then_causal, splits_at_prefix
 from .native_decode import decode_backend, native_decode
-from .native_prefix import native_prefix, prefix_backend
+from .native_prefill import native_prefill, prefill_backend
 
 
 def store_kv(cache: torch.Tensor, x: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -120,12 +120,9 @@ def paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
         # every earlier key visible (no window, not a ring view), plain softmax
         plain = window is None and seg.kv_start == 0 and seg.kv_lo <= 0 and softcap is None and sinks is None
         prefix = seg.kv_len - seg.q_len
-        if prefix and plain and splits_at_prefix(q, v_new) and \
-                prefix_backend(q, k_cache, v_cache, batch.attention_backend) == "native":
-            o_pre, lse_pre = native_prefix(q[sl], k_cache, v_cache, seg.pages, prefix, scale)
-            o = then_causal(qh, o_pre.transpose(0, 1)[None], lse_pre.T[None],
-                            k_new[sl].transpose(0, 1)[None], v_new[sl].transpose(0, 1)[None], scale)
-            out[sl] = o[0].transpose(0, 1)
+        if plain and splits_at_prefix(q, v_new) and \
+                prefill_backend(q, k_cache, v_cache, batch.attention_backend) == "native":
+            out[sl] = native_prefill(q[sl], k_cache, v_cache, seg.pages, prefix, scale)
             continue
         if not prefix:  # nothing cached before this chunk: use K/V as computed
             k, v = k_new[sl], v_new[sl]
