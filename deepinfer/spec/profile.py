@@ -8,11 +8,13 @@ profile taken on an empty context is flat and under-prices verification, so the 
 measured lazily, once per context bucket (powers of 4), on the first decoding request that
 reaches it: its own pages and context, B = 1 as a decode, B > 1 as a span of dummy tokens
 past its last token. Those positions lie beyond ``num_computed_tokens``, so their KV is
-overwritten later, exactly as a rejected draft's is.
+overwritten later, exactly as a rejected draft's is. After that, the steps of one decoding
+request refine their bucket's profile with their own times (``SpsProfile.observe``).
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import torch
@@ -54,32 +56,37 @@ class SpsByContext:
             self.profiles[bucket] = self._measure(req)
         return self.profiles[bucket]
 
+    def observe(self, req: Request, b: int, seconds: float) -> None:
+        """A step of ``req`` alone with ``b`` tokens took ``seconds``: its bucket's measured
+        profile follows it (a given profile stays as given)."""
+        prof = self.profiles.get(context_bucket(req.num_tokens))
+        if self.fixed is None and prof is not None:
+            prof.observe(b, seconds)
+
     def _measure(self, req: Request) -> SpsProfile:
-        """Each size's best time over ``repeats`` rounds, the sizes interleaved in every round
-        (after one warm-up round), so a burst of load on a shared machine slows one round of
-        every size rather than all the runs of one size, which would misprice it for good."""
-        best = [float("inf")] * len(self.sizes)
-        for rnd in range(self.repeats + 1):
-            for i, b in enumerate(self.sizes):
-                t = self._time(req, b)
-                if rnd:
-                    best[i] = min(best[i], t)
-        return SpsProfile(self.sizes, [1.0 / t for t in best])
+        """Each size's time relative to the 1-token step of the same round, the median ratio
+        over ``repeats`` rounds (after one warm-up round), times the best 1-token time: a size
+        is compared with a step taken moments apart, so a burst of load on a shared machine
+        slows both sides of one ratio rather than misprice a size for good."""
+        rounds = [[self._time(req, b) for b in self.sizes] for _ in range(self.repeats + 1)][1:]
+        one = min(r[0] for r in rounds)
+        return SpsProfile(self.sizes, [1.0 / (one * statistics.median(r[i] / r[0] for r in rounds))
+                                       for i in range(len(self.sizes))])
 
     def _time(self, req: Request, b: int) -> float:
         """Seconds of one step of ``req`` with ``b`` tokens (its last one, repeated)."""
         req.output_token_ids += [req.all_token_ids[-1]] * (b - 1)
         try:
-            _sync(self.runner.device)
+            sync(self.runner.device)
             t0 = time.perf_counter()
             self.runner.forward_spans([(req, b)], {req: b} if b > 1 else {})
-            _sync(self.runner.device)
+            sync(self.runner.device)
             return time.perf_counter() - t0
         finally:
             if b > 1:
                 del req.output_token_ids[-(b - 1):]
 
 
-def _sync(device: torch.device) -> None:
+def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
