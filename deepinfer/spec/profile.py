@@ -25,6 +25,7 @@ from ..request import Request
 from .verify_schedule import SpsProfile
 
 SIZES = (1, 2, 3, 5, 9, 17, 33, 65)  # step tokens measured (up to the most a step verifies)
+DENSE = 17  # step tokens up to this have a point of their own
 
 
 def context_bucket(context: int) -> int:
@@ -38,6 +39,7 @@ class SpsByContext:
     def __init__(self, runner: ModelRunner, kv: KVCacheManager, max_tokens: int,
                  fixed: SpsProfile | None = None, repeats: int = 3) -> None:
         self.runner, self.kv = runner, kv
+        self.max_tokens = max_tokens
         self.sizes = [b for b in SIZES if b <= max_tokens] or [1]
         self.fixed = fixed
         self.repeats = repeats
@@ -70,8 +72,12 @@ class SpsByContext:
         slows both sides of one ratio rather than misprice a size for good."""
         rounds = [[self._time(req, b) for b in self.sizes] for _ in range(self.repeats + 1)][1:]
         one = min(r[0] for r in rounds)
-        return SpsProfile(self.sizes, [1.0 / (one * statistics.median(r[i] / r[0] for r in rounds))
-                                       for i in range(len(self.sizes))])
+        sparse = SpsProfile(self.sizes, [1.0 / (one * statistics.median(r[i] / r[0] for r in rounds))
+                                         for i in range(len(self.sizes))])
+        # every step size up to DENSE gets its own point (interpolated for now), so each size
+        # a plan picks is refined by the steps that run it
+        dense = list(range(1, min(self.max_tokens, DENSE) + 1)) + [b for b in self.sizes if b > DENSE]
+        return SpsProfile(dense, [sparse(b) for b in dense])
 
     def _time(self, req: Request, b: int) -> float:
         """Seconds of one step of ``req`` with ``b`` tokens (its last one, repeated)."""
