@@ -16,7 +16,11 @@ greedy output equals off's token for token.
                               [--dtype auto] [--quantization none|int8|int4] [--temperature T]
                               [--users N] [--quick] [--draft-model PATH|self [--draft-quantization int4]]
 
-``--quick``: 96 tokens, one repeat, the first prompt of each workload. ``--users N`` sends N
+``--quick``: 96 tokens, one repeat, the first prompt of each workload. ``--modes off,k=5,auto``
+runs only those (off always; each mode holds an engine, so fewer take less memory). Besides
+the speed-up of the summed times, ``round_speedup`` is the median over rounds (one prompt,
+every mode back to back) of each round's ratio to off: a burst of load from other processes
+that hits one mode's turn moves the sum, not the median. ``--users N`` sends N
 copies of each prompt at once (a batch of N; per-user figures are their mean). With
 ``--temperature`` > 0 (seeded) outputs are not compared (a different draw is not a difference).
 
@@ -31,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from pathlib import Path
 
 from deepinfer.hardware import lscpu_model
@@ -39,6 +44,7 @@ from deepinfer.sampling_params import SamplingParams
 from deepinfer.spec.config import SpeculativeConfig
 
 CODE = '''import json
+import statistics
 from pathlib import Path
 
 
@@ -110,6 +116,7 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--users", type=int, default=1, help="copies of each prompt sent at once")
     ap.add_argument("--quick", action="store_true", help="96 tokens, 1 repeat, 1 prompt per workload")
+    ap.add_argument("--modes", default=None, help="comma-separated subset of off,k=3,k=5,scheduled,auto")
     ap.add_argument("--out", default="results/spec")
     args = ap.parse_args()
     if args.quick:
@@ -118,8 +125,9 @@ def main() -> None:
                        enable_prefix_cache=False, progress=False)
     llms = {"off": LLM(args.model, speculative_config=SpeculativeConfig(method="none"), **engine_args)}
     draft = str(llms["off"].engine.checkpoint_path) if args.draft_model == "self" else args.draft_model
+    wanted = None if args.modes is None else set(args.modes.split(","))
     for m, sc in modes(args.method, draft, args.draft_quantization).items():
-        if sc is not None:
+        if sc is not None and (wanted is None or m in wanted):
             llms[m] = LLM(args.model, speculative_config=sc, **engine_args)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=0)
     for llm in llms.values():  # not counted: the scheduled mode measures its SPS profile here
@@ -127,13 +135,15 @@ def main() -> None:
     rows = []
     for wl in args.workloads.split(","):
         acc = {m: dict(decode_s=0.0, decoded=0, total_s=0.0, drafted=0, verified=0, accepted=0,
-                       steps=0, identical=True) for m in llms}
+                       steps=0, identical=True, rounds=[]) for m in llms}
         for _ in range(args.repeats):
             for prompt in WORKLOADS[wl][:1] if args.quick else WORKLOADS[wl]:
                 ref = None
                 for m, llm in llms.items():  # modes interleaved on every prompt
                     outs = llm.chat([[{"role": "user", "content": prompt}]] * args.users, params)
                     a = acc[m]
+                    a["rounds"].append(sum(len(o.token_ids) - 1 for o in outs)
+                                       / sum(o.latency - o.ttft for o in outs))
                     for out in outs:
                         a["decode_s"] += (out.latency - out.ttft) / args.users
                         a["decoded"] += (len(out.token_ids) - 1) / args.users
@@ -147,8 +157,10 @@ def main() -> None:
         base = acc["off"]["decoded"] / acc["off"]["decode_s"]
         for m, a in acc.items():
             tps = a["decoded"] / a["decode_s"]
+            per_round = [t / o for t, o in zip(a["rounds"], acc["off"]["rounds"])]
             rows.append(dict(workload=wl, mode=m, decode_tok_s=round(tps, 2),
-                             speedup=round(tps / base, 3), total_s=round(a["total_s"], 2),
+                             speedup=round(tps / base, 3), round_speedup=round(statistics.median(per_round), 3),
+                             total_s=round(a["total_s"], 2),
                              drafted=a["drafted"], verified=a["verified"], accepted=a["accepted"],
                              acceptance=round(a["accepted"] / a["verified"], 3) if a["verified"] else 0.0,
                              accepted_per_step=round(a["accepted"] / a["steps"], 2) if a["steps"] else 0.0,

@@ -109,9 +109,9 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
     from .spec.config import METHODS
 
     d = SpeculativeConfig()
-    s = p.add_argument_group("speculative decoding (off unless --speculative-method is given; auto: "
-                             "prompt lookup and the shared suffix index, scheduled)")
-    s.add_argument("--speculative-method", default="none", choices=METHODS,
+    s = p.add_argument_group("speculative decoding (on: auto, prompt lookup and the shared suffix "
+                             "index, scheduled; none turns it off)")
+    s.add_argument("--speculative-method", default=d.method, choices=METHODS,
                    help="auto (ngram or suffix, whichever is calibrated better per request; off "
                         "with --overlap-schedule or --kv-stream-layers); ngram: prompt lookup in "
                         "the request; suffix: continuations seen in other requests and earlier "
@@ -130,7 +130,7 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
 
 def speculative_config(args: argparse.Namespace) -> SpeculativeConfig:
     method = args.speculative_method
-    if args.speculative_draft_model and method in ("auto", "none"):
+    if args.speculative_draft_model and method == "auto":
         method = "draft_model"
     return SpeculativeConfig(method=method, num_tokens=args.speculative_num_tokens,
                              model=args.speculative_draft_model,

@@ -10,6 +10,7 @@ only up to the accepted length (rejected tokens' KV sits beyond it and is overwr
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -22,7 +23,7 @@ from .config import SpeculativeConfig
 from .counters import SpecCounters
 from .drafters import Draft, DraftSource
 from .verify import verify
-from .profile import SpsByContext
+from .profile import SpsByContext, sync
 from .verify_schedule import plan_verify
 
 
@@ -102,9 +103,13 @@ class SpeculativeDecoder:
         run = [(r, n + len(drafts[r].tokens)) if r in drafts else (r, n) for r, n in items]
         for r, d in drafts.items():
             r.output_token_ids += d.tokens
+        t0 = time.perf_counter()
         try:
             sampled, logits = self.runner.forward_spans(
                 run, {r: len(d.tokens) + 1 for r, d in drafts.items()})
+            if self.sps is not None and len(run) == 1 and items[0][1] == 1:  # one decoding request
+                sync(self.runner.device)
+                self.sps.observe(run[0][0], run[0][1], time.perf_counter() - t0)
         finally:
             for r, d in drafts.items():
                 del r.output_token_ids[-len(d.tokens):]

@@ -68,9 +68,12 @@ class TokenDrafter:
 class NgramDrafter(TokenDrafter):
     """Prompt lookup: the longest suffix of the sequence (length in [min_n, max_n]) that occurred
     earlier in the same sequence, continued by what followed its latest such occurrence.
-    Feature: the match length."""
+    Feature: how far that match really extends (up to ``FEATURE_SPAN`` tokens, log-bucketed
+    past ``max_n``): a reply copying a long stretch of its prompt matches far back, a common
+    phrase only a few tokens, and the two are accepted at very different rates."""
 
     name = "ngram"
+    FEATURE_SPAN = 32
 
     def __init__(self, min_n: int, max_n: int) -> None:
         self.min_n, self.max_n = min_n, max_n
@@ -78,20 +81,25 @@ class NgramDrafter(TokenDrafter):
     def propose(self, tokens: list[int], k: int) -> Draft:
         arr = np.asarray(tokens, dtype=np.int64)
         L = len(arr)
-        best_len, best_end = 0, -1
-        # candidate ends: earlier positions holding the last token, latest first
-        for end in np.flatnonzero(arr[:-1] == arr[-1])[::-1]:
-            n = 1
-            while n < self.max_n and end - n >= 0 and arr[end - n] == arr[L - 1 - n]:
-                n += 1
-            if n > best_len:
-                best_len, best_end = n, int(end)
-                if n == self.max_n:
-                    break
-        if best_len < self.min_n:
+        ends = np.flatnonzero(arr[:-1] == arr[-1])  # earlier positions holding the last token
+        if len(ends) == 0:
             return Draft(self.name)
-        cont = tokens[best_end + 1 : best_end + 1 + k]
-        return Draft(self.name, cont, [best_len] * len(cont))
+        length = np.ones(len(ends), dtype=np.int64)  # each candidate's match length
+        alive = np.ones(len(ends), dtype=bool)
+        for n in range(1, min(self.FEATURE_SPAN, L - 1)):
+            back = ends - n
+            alive &= (back >= 0) & (arr[np.maximum(back, 0)] == arr[L - 1 - n])
+            if not alive.any():
+                break
+            length += alive
+        capped = np.minimum(length, self.max_n)
+        best = len(ends) - 1 - int(np.argmax(capped[::-1]))  # the latest of the longest
+        if capped[best] < self.min_n:
+            return Draft(self.name)
+        end, n = int(ends[best]), int(length[best])
+        cont = tokens[end + 1 : end + 1 + k]
+        feature = n if n <= 4 else 2 + n.bit_length()  # 5-7: 5, 8-15: 6, 16-31: 7, 32: 8
+        return Draft(self.name, cont, [feature] * len(cont))
 
 
 class SuffixDrafter(TokenDrafter):

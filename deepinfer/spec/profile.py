@@ -8,11 +8,13 @@ profile taken on an empty context is flat and under-prices verification, so the 
 measured lazily, once per context bucket (powers of 4), on the first decoding request that
 reaches it: its own pages and context, B = 1 as a decode, B > 1 as a span of dummy tokens
 past its last token. Those positions lie beyond ``num_computed_tokens``, so their KV is
-overwritten later, exactly as a rejected draft's is.
+overwritten later, exactly as a rejected draft's is. After that, the steps of one decoding
+request refine their bucket's profile with their own times (``SpsProfile.observe``).
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import torch
@@ -23,6 +25,7 @@ from ..request import Request
 from .verify_schedule import SpsProfile
 
 SIZES = (1, 2, 3, 5, 9, 17, 33, 65)  # step tokens measured (up to the most a step verifies)
+DENSE = 17  # step tokens up to this have a point of their own
 
 
 def context_bucket(context: int) -> int:
@@ -36,6 +39,7 @@ class SpsByContext:
     def __init__(self, runner: ModelRunner, kv: KVCacheManager, max_tokens: int,
                  fixed: SpsProfile | None = None, repeats: int = 3) -> None:
         self.runner, self.kv = runner, kv
+        self.max_tokens = max_tokens
         self.sizes = [b for b in SIZES if b <= max_tokens] or [1]
         self.fixed = fixed
         self.repeats = repeats
@@ -54,32 +58,41 @@ class SpsByContext:
             self.profiles[bucket] = self._measure(req)
         return self.profiles[bucket]
 
+    def observe(self, req: Request, b: int, seconds: float) -> None:
+        """A step of ``req`` alone with ``b`` tokens took ``seconds``: its bucket's measured
+        profile follows it (a given profile stays as given)."""
+        prof = self.profiles.get(context_bucket(req.num_tokens))
+        if self.fixed is None and prof is not None:
+            prof.observe(b, seconds)
+
     def _measure(self, req: Request) -> SpsProfile:
-        """Each size's best time over ``repeats`` rounds, the sizes interleaved in every round
-        (after one warm-up round), so a burst of load on a shared machine slows one round of
-        every size rather than all the runs of one size, which would misprice it for good."""
-        best = [float("inf")] * len(self.sizes)
-        for rnd in range(self.repeats + 1):
-            for i, b in enumerate(self.sizes):
-                t = self._time(req, b)
-                if rnd:
-                    best[i] = min(best[i], t)
-        return SpsProfile(self.sizes, [1.0 / t for t in best])
+        """Each size's time relative to the 1-token step of the same round, the median ratio
+        over ``repeats`` rounds (after one warm-up round), times the best 1-token time: a size
+        is compared with a step taken moments apart, so a burst of load on a shared machine
+        slows both sides of one ratio rather than misprice a size for good."""
+        rounds = [[self._time(req, b) for b in self.sizes] for _ in range(self.repeats + 1)][1:]
+        one = min(r[0] for r in rounds)
+        sparse = SpsProfile(self.sizes, [1.0 / (one * statistics.median(r[i] / r[0] for r in rounds))
+                                         for i in range(len(self.sizes))])
+        # every step size up to DENSE gets its own point (interpolated for now), so each size
+        # a plan picks is refined by the steps that run it
+        dense = list(range(1, min(self.max_tokens, DENSE) + 1)) + [b for b in self.sizes if b > DENSE]
+        return SpsProfile(dense, [sparse(b) for b in dense])
 
     def _time(self, req: Request, b: int) -> float:
         """Seconds of one step of ``req`` with ``b`` tokens (its last one, repeated)."""
         req.output_token_ids += [req.all_token_ids[-1]] * (b - 1)
         try:
-            _sync(self.runner.device)
+            sync(self.runner.device)
             t0 = time.perf_counter()
             self.runner.forward_spans([(req, b)], {req: b} if b > 1 else {})
-            _sync(self.runner.device)
+            sync(self.runner.device)
             return time.perf_counter() - t0
         finally:
             if b > 1:
                 del req.output_token_ids[-(b - 1):]
 
 
-def _sync(device: torch.device) -> None:
+def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -10,14 +10,25 @@ the prefix with the highest Theta is verified.
 from __future__ import annotations
 
 import itertools
+import statistics
 from bisect import bisect_left
+from collections import deque
 from collections.abc import Callable
 
 
 class SpsProfile:
     """SPS(B) from measured points: step time is interpolated linearly between them and
     extrapolated from the last two beyond the largest. Times are made non-decreasing in B (a
-    running maximum), since more tokens never cost less: a noisy point cannot invert the curve."""
+    running maximum), since more tokens never cost less: a noisy point cannot invert the curve.
+
+    The points measured at start-up are refined by the steps the engine then runs
+    (``observe``): a point with ``MIN_OBSERVED`` recent step times takes their median, and the
+    others move with the 1-token point's drift, so the curve follows the load the steps really
+    run under instead of one start-up snapshot (on a shared CPU that snapshot priced the first
+    span token at +50% where the steps beside it ran at +16%)."""
+
+    RECENT = 16  # step times kept per point
+    MIN_OBSERVED = 3
 
     def __init__(self, tokens: list[int], steps_per_s: list[float]) -> None:
         if not tokens or len(tokens) != len(steps_per_s) or sorted(tokens) != list(tokens):
@@ -25,7 +36,21 @@ class SpsProfile:
         if any(s <= 0 for s in steps_per_s):
             raise ValueError("SPS rates must be positive")
         self.tokens = list(tokens)
-        self.seconds = list(itertools.accumulate((1.0 / s for s in steps_per_s), max))
+        self.measured = [1.0 / s for s in steps_per_s]
+        self.recent: list[deque[float]] = [deque(maxlen=self.RECENT) for _ in tokens]
+        self._refresh()
+
+    def observe(self, b: int, seconds: float) -> None:
+        """A step of ``b`` tokens took ``seconds`` (ignored unless ``b`` is a profiled point)."""
+        if b in self.tokens:
+            self.recent[self.tokens.index(b)].append(seconds)
+            self._refresh()
+
+    def _refresh(self) -> None:
+        seen = [statistics.median(r) if len(r) >= self.MIN_OBSERVED else None for r in self.recent]
+        drift = 1.0 if seen[0] is None else seen[0] / self.measured[0]
+        points = [m * drift if s is None else s for m, s in zip(self.measured, seen)]
+        self.seconds = list(itertools.accumulate(points, max))
 
     def __call__(self, b: int) -> float:
         t, s = self.tokens, self.seconds

@@ -21,6 +21,19 @@ def test_ngram_prefers_the_latest_of_equal_matches_and_respects_min():
     assert d.propose([1, 2, 1, 2, 1], 5).tokens == [2, 1]  # continuation stops at the end
 
 
+def test_ngram_feature_is_how_far_the_match_extends_past_max_n():
+    d = NgramDrafter(1, 3)
+    copied = list(range(100, 140))  # a 40-token stretch of the prompt, copied in the reply
+    assert d.propose([7] + copied[:20] + [55] + copied[:20], 2).features == [7, 7]  # 20: 16-31
+    assert d.propose([7] + copied[:6] + [55] + copied[:6], 2).features == [5, 5]  # 6: 5-7
+    whole = d.propose(copied + [55] + copied, 2)  # a 40-token match: 32 and beyond are one bucket
+    assert (whole.tokens, whole.features) == ([55, 100], [8, 8])
+    # the draft is still the latest match of length max_n: the longer one further back loses
+    two = [1, 2, 3, 4, 9, 8, 3, 4, 5, 2, 3, 4]
+    assert d.propose(two, 1).tokens == [9] and d.propose(two, 1).features == [3]
+    assert d.propose([1, 2, 3, 4, 9, 5, 2, 3, 4, 6, 2, 3, 4], 1).tokens == [6]
+
+
 def test_suffix_index_proposes_what_other_requests_continued():
     d = SuffixDrafter(1, 3)
     assert d.propose([7, 8, 9], 4).tokens == []  # empty index

@@ -1,12 +1,12 @@
-"""Speculation is off by default (README "Speculative decoding" says why); SpeculativeConfig()
-is method auto, scheduled; method none is off, and auto steps aside for the features that
+"""Speculation is on by default: SpeculativeConfig(), method auto, scheduled (README
+"Speculative decoding" has the figures); method none and None are off, and auto steps aside for the features that
 cannot run with it; an auto engine's greedy output is the plain one."""
 
 import argparse
 
 import pytest
 
-from deepinfer.cli import add_engine_args, speculative_config
+from deepinfer.cli import add_engine_args, engine_config, speculative_config
 from deepinfer.config import EngineConfig
 from deepinfer.llm import LLM
 from deepinfer.sampling_params import SamplingParams
@@ -16,25 +16,28 @@ from test_spec_engine import prompts
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def test_default_is_off_and_the_config_default_is_auto_scheduled():
-    assert EngineConfig().speculative_config is None
-    sc = EngineConfig(speculative_config=SpeculativeConfig()).speculative_config
+def test_default_is_auto_scheduled_and_none_turns_it_off():
+    sc = EngineConfig().speculative_config
     assert sc is not None and (sc.method, sc.scheduled, sc.num_tokens) == ("auto", True, 8)
     assert EngineConfig(speculative_config=SpeculativeConfig(method="none")).speculative_config is None
     assert EngineConfig(speculative_config=None).speculative_config is None
-    # auto yields to overlap scheduling and layer streaming; an explicit method does not
-    assert EngineConfig(overlap_schedule=True, speculative_config=SpeculativeConfig()).speculative_config is None
-    assert EngineConfig(kv_stream_layers=True, speculative_config=SpeculativeConfig()).speculative_config is None
+    # the default yields to overlap scheduling and layer streaming; an explicit method does not
+    assert EngineConfig(overlap_schedule=True).speculative_config is None
+    assert EngineConfig(kv_stream_layers=True).speculative_config is None
+    assert EngineConfig(quantization="int4").speculative_config is None  # did not pay: README
+    assert EngineConfig(quantization="int8", speculative_config=SpeculativeConfig()).speculative_config is None
     ngram = SpeculativeConfig(method="ngram")
     assert EngineConfig(overlap_schedule=True, speculative_config=ngram).speculative_config is ngram
+    assert EngineConfig(quantization="int4", speculative_config=ngram).speculative_config is ngram
 
 
 def test_cli_defaults_and_opt_outs():
     p = argparse.ArgumentParser()
     add_engine_args(p)
-    assert EngineConfig(speculative_config=speculative_config(p.parse_args([]))).speculative_config is None
-    on = speculative_config(p.parse_args(["--speculative-method", "auto"]))
-    assert on == SpeculativeConfig()
+    assert speculative_config(p.parse_args([])) == SpeculativeConfig()
+    assert speculative_config(p.parse_args(["--speculative-method", "auto"])) == SpeculativeConfig()
+    overlap = engine_config(p.parse_args(["--overlap-schedule"]))
+    assert overlap.overlap_schedule and overlap.speculative_config is None  # the default yields
     fixed = speculative_config(p.parse_args(["--speculative-method", "ngram", "--no-speculative-scheduled",
                                              "--speculative-num-tokens", "3"]))
     assert (fixed.method, fixed.scheduled, fixed.num_tokens) == ("ngram", False, 3)
@@ -50,7 +53,7 @@ def test_auto_engine_speculates_and_matches_plain_greedy(tiny_llama):
     greedy = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
     ps = prompts(2, 14, seed=5)
     plain = LLM(str(tiny_llama), speculative_config={"method": "none"}, **kw)
-    default = LLM(str(tiny_llama), speculative_config={"method": "auto"}, **kw)
+    default = LLM(str(tiny_llama), **kw)
     assert plain.engine.spec is None and default.engine.spec is not None
     for _ in range(2):  # the second pass also has the suffix index of the first
         ref = [o.token_ids for o in plain.generate(ps, greedy)]
@@ -67,7 +70,7 @@ def test_auto_leaves_sampled_requests_plain(tiny_llama):
     # nearly greedy, so prompt lookup has drafts for it (see the explicit ngram engine below)
     sampled = SamplingParams(max_tokens=20, temperature=0.05, seed=3, ignore_eos=True)
     ps = prompts(2, 14, seed=6)
-    auto = LLM(str(tiny_llama), speculative_config={"method": "auto"}, **kw).generate(ps, sampled)
+    auto = LLM(str(tiny_llama), **kw).generate(ps, sampled)  # the default
     assert all(o.num_drafted_tokens == 0 for o in auto)  # auto: greedy requests only
     plain = LLM(str(tiny_llama), speculative_config={"method": "none"}, **kw).generate(ps, sampled)
     assert [o.token_ids for o in auto] == [o.token_ids for o in plain]  # same seeded draws

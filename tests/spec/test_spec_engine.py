@@ -13,6 +13,7 @@ from deepinfer.llm import LLM
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.spec.config import SpeculativeConfig
 from deepinfer.spec.profile import context_bucket
+from deepinfer.spec.verify_schedule import SpsProfile
 from tiny_checkpoints import make_checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))  # the tiny model makers
@@ -166,7 +167,19 @@ def test_scheduled_mode_profiles_sps_at_the_running_context(models):
     ref = make(models["llama"]).generate(ps, GREEDY)
     assert [o.token_ids for o in llm.generate(ps, GREEDY)] == [r.token_ids for r in ref]
     (bucket, sps), = llm.engine.spec.sps.profiles.items()  # 21-61 tokens: one context bucket
-    assert bucket == context_bucket(61) and sps.tokens == [1, 2, 3] and all(s > 0 for s in sps.seconds)
+    assert bucket == context_bucket(61) and sps.tokens == [1, 2, 3, 4] and all(s > 0 for s in sps.seconds)
+    before = len(sps.recent[0])
+    steps: list[int] = []  # the token count of each step the lone request below runs
+    observe = llm.engine.spec.sps.observe
+    llm.engine.spec.sps.observe = lambda req, b, seconds: (steps.append(b), observe(req, b, seconds))
+    one = llm.generate(ps[0], GREEDY)[0]
+    assert one.token_ids == ref[0].token_ids
+    # every step is priced into the profile, at a point of its own (a verify span of up to 4
+    # tokens: 4 is interpolated from the measured 1-3 until steps run it); the prompt ran
+    # before, so its first step is a 1-token one too (all of it but its last token is cached)
+    assert len(steps) == len(one.token_ids) - one.num_accepted_tokens
+    assert sum(b - 1 for b in steps) == one.num_verified_tokens and set(steps) <= set(sps.tokens)
+    assert len(sps.recent[0]) == min(SpsProfile.RECENT, before + steps.count(1))
     # every page not free is held by the tree: no page of a rejected draft or the profile leaked
     assert llm.engine.kv.num_free_pages == free - sum(len(n.tiers[0] or []) for n in _nodes(llm.engine.kv.tree))
 
@@ -179,6 +192,7 @@ def test_scheduled_mode_verifies_nothing_when_a_span_costs_a_step_per_token(mode
     outs = [llm.generate(p, GREEDY)[0] for p in ps]
     assert sum(o.num_drafted_tokens for o in outs) > 0
     assert sum(o.num_verified_tokens for o in outs) == 0
+    assert not any(llm.engine.spec.sps.fixed.recent)  # a given profile stays as given
     ref = make(models["llama"]).generate(ps, GREEDY)
     assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
 

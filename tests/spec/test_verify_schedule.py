@@ -92,3 +92,23 @@ def test_profile_interpolates_step_time():
     assert noisy(4) == pytest.approx(50.0)
     with pytest.raises(ValueError):
         SpsProfile([4, 1], [1.0, 1.0])
+
+
+def test_profile_follows_the_step_times_it_observes():
+    p = SpsProfile([1, 2, 5], [100.0, 50.0, 40.0])  # start-up: 10, 20, 25 ms
+    p.observe(2, 0.012)
+    p.observe(2, 0.013)
+    assert p(2) == pytest.approx(50.0)  # fewer than MIN_OBSERVED steps: still as measured
+    p.observe(2, 0.030)  # a burst of load: the median of the three holds
+    assert p(2) == pytest.approx(1 / 0.013)
+    p.observe(3, 1.0)  # not a profiled point: ignored
+    assert p(3) == pytest.approx(1 / (0.013 + (0.025 - 0.013) / 3))
+    for t in (0.020, 0.020, 0.020):  # the 1-token step now runs at twice its start-up time
+        p.observe(1, t)
+    assert p(1) == pytest.approx(50.0)
+    assert p(2) == pytest.approx(1 / 0.020)  # 13 ms observed, raised to the 1-token step's 20
+    assert p(5) == pytest.approx(1 / 0.050)  # unobserved: drifts with the 1-token point
+    assert len(p.recent[1]) == 3 and p.recent[1].maxlen == SpsProfile.RECENT
+    for _ in range(SpsProfile.RECENT):
+        p.observe(2, 0.040)  # the old times leave the window
+    assert p(2) == pytest.approx(1 / 0.040) and p(5) == pytest.approx(1 / 0.050)
