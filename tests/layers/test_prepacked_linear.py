@@ -1,6 +1,8 @@
-"""The oneDNN packed-weight linear for prefill chunks (``layers/prepacked_linear.py``): values
-within rounding of ``F.linear`` (float32 and bfloat16, with bias, 3-d inputs), calls below
-``MIN_ROWS`` rows going to the wrapped layer, the swap at load, and no swap where it is off."""
+"""The oneDNN packed-weight linear for prefill chunks and large batched decodes
+(``layers/prepacked_linear.py``): values within rounding of ``F.linear`` (float32 and bfloat16,
+with bias, 3-d inputs, from the first row count past the small-row kernel's), calls below
+``MIN_ROWS`` rows going to the wrapped layer, the swap at load (LM head included), and no swap
+where it is off."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from torch import nn
 
 from deepinfer.layers import prepacked_linear as pl
 from deepinfer.layers.linear import FusedLinear
+from deepinfer.layers.small_row_linear import MAX_ROWS
 
 needs_onednn = pytest.mark.skipif(not pl.prepack_available(torch.float32), reason="torch without oneDNN")
 
@@ -33,7 +36,7 @@ def _linear(n: int, k: int, dtype: torch.dtype) -> Counting:
 
 @needs_onednn
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [64, 300, 2048])
+@pytest.mark.parametrize("rows", [pl.MIN_ROWS, 32, 300, 2048])
 def test_values_match_f_linear(dtype, rows):
     if not pl.prepack_available(dtype):
         pytest.skip("no oneDNN bf16 path on this CPU")
@@ -76,10 +79,21 @@ class Tiny(nn.Module):
 
 
 @needs_onednn
-def test_swap_at_load_skips_the_lm_head():
+def test_rows_past_the_small_row_kernel_take_the_packed_weight():
+    lin = _linear(576, 576, torch.float32)
+    layer = pl.PrepackedLinear(lin)
+    with torch.inference_mode():
+        layer(torch.randn(MAX_ROWS, 576))  # the small-row kernel's last row count: the wrapped layer
+        assert lin.calls == 1
+        layer(torch.randn(MAX_ROWS + 1, 576))  # one more: the packed weight (was F.linear up to 63)
+        assert lin.calls == 1
+
+
+@needs_onednn
+def test_swap_at_load_wraps_the_lm_head_too():
     model = Tiny()
-    assert pl.use_prepacked_linears(model) == 1
-    assert isinstance(model.proj, pl.PrepackedLinear) and isinstance(model.lm_head, nn.Linear)
+    assert pl.use_prepacked_linears(model) == 2
+    assert isinstance(model.proj, pl.PrepackedLinear) and isinstance(model.lm_head, pl.PrepackedLinear)
 
 
 def test_switched_off_or_unavailable_keeps_the_layers(monkeypatch):
