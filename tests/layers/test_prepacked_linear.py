@@ -105,3 +105,31 @@ def test_switched_off_or_unavailable_keeps_the_layers(monkeypatch):
     monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
     assert pl.use_prepacked_linears(model) == 0 and isinstance(model.proj, nn.Linear)
     assert not pl.prepack_available(torch.float16)
+
+
+@needs_onednn
+def test_batched_decode_past_the_small_row_kernel_is_greedy_identical_across_threads(tiny_llama, monkeypatch):
+    """20 sequences decode together: every linear call of a step has 20 rows, so the packed path
+    (the LM head's too) computes them; greedy outputs are the same on 1 and 2 threads."""
+    from deepinfer.llm import LLM
+    from deepinfer.sampling_params import SamplingParams
+    from deepinfer.threads import apply_thread_policy
+
+    rows: list[int] = []
+    real = pl.packed_linear
+    monkeypatch.setattr(pl, "packed_linear", lambda x, w, b: (rows.append(x.numel() // x.shape[-1]), real(x, w, b))[1])
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 200, (int(n),), generator=g).tolist() for n in torch.randint(4, 12, (20,), generator=g)]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    before = torch.get_num_threads()
+    outs = {}
+    try:
+        for threads in (1, 2):
+            llm = LLM(str(tiny_llama), threads=threads, progress=False, host_cache_gb=0, enable_disk_cache=False,
+                      enable_prefix_cache=False, speculative_config=None)
+            outs[threads] = [o.token_ids for o in llm.generate(prompts, params)]
+            packed = sum(isinstance(m, pl.PrepackedLinear) for m in llm.engine.runner.model.modules())
+    finally:
+        apply_thread_policy(before)
+    assert outs[1] == outs[2] and all(len(t) == 6 for t in outs[1])
+    assert rows.count(20) >= 2 * 5 * packed  # both runs: each of 5 decode steps through every linear
