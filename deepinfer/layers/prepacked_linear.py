@@ -25,9 +25,11 @@ from .linear import SplitOutputs
 from .small_row_linear import DTYPES, MAX_ROWS, SmallRowLinear
 
 DISABLE_ENV = "DEEPINFER_NO_PREPACK"
-# Calls of fewer rows are the small-row kernel's (SmallRowLinear); above them oneDNN on the
-# packed weight beats F.linear at every row count (measured from 17 rows, README "Execution").
+# bfloat16 calls of fewer rows are the small-row kernel's (SmallRowLinear); above them oneDNN on
+# the packed weight beats F.linear at every row count (README "Execution"). float32 keeps
+# F.linear (MKL, what transformers runs: fp32 stays comparable to it) below prefill chunks.
 MIN_ROWS = MAX_ROWS + 1
+FP32_MIN_ROWS = 64
 # Rows the weight's blocked layout is chosen for (any row count runs on it).
 PACK_ROWS = 2048
 
@@ -57,6 +59,7 @@ class PrepackedLinear(SplitOutputs, nn.Module):
         self.out_features = inner.out_features
         self.out_sizes = inner.out_sizes if isinstance(inner, SplitOutputs) else [inner.out_features]
         self.packed = torch.ops.mkldnn._reorder_linear_weight(inner.weight.detach().contiguous(), PACK_ROWS)
+        self.min_rows = MIN_ROWS if inner.weight.dtype == torch.bfloat16 else FP32_MIN_ROWS
 
     @property
     def weight(self) -> torch.Tensor:
@@ -67,7 +70,7 @@ class PrepackedLinear(SplitOutputs, nn.Module):
         return self.inner.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() < MIN_ROWS * self.in_features:
+        if x.numel() < self.min_rows * self.in_features:
             return self.inner.forward(x)  # not inner(x): no second module call per decode linear
         return packed_linear(x, self.packed, self.inner.bias)
 
@@ -76,10 +79,12 @@ class PrepackedLinear(SplitOutputs, nn.Module):
 
 
 def use_prepacked_linears(model: nn.Module) -> int:
-    """Wrap each float CPU linear of ``model`` (``nn.Linear`` or ``SmallRowLinear``) in a
-    ``PrepackedLinear`` where oneDNN runs its dtype; returns the number wrapped (0 elsewhere)."""
+    """Wrap each float CPU linear of ``model`` (``nn.Linear`` or ``SmallRowLinear``; a float32 LM
+    head stays, as its logits stay comparable to transformers') in a ``PrepackedLinear`` where
+    oneDNN runs its dtype; returns the number wrapped (0 elsewhere)."""
     targets = [(name, m) for name, m in model.named_modules()
-               if isinstance(m, (nn.Linear, SmallRowLinear)) and m.weight.device.type == "cpu" and m.weight.dtype in DTYPES]
+               if isinstance(m, (nn.Linear, SmallRowLinear)) and m.weight.device.type == "cpu"
+               and (m.weight.dtype == torch.bfloat16 or name.rpartition(".")[2] != "lm_head") and m.weight.dtype in DTYPES]
     targets = [(name, m) for name, m in targets if prepack_available(m.weight.dtype)]
     for name, linear in targets:
         parent_name, _, attr = name.rpartition(".")
