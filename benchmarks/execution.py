@@ -8,8 +8,9 @@ own venv, one subprocess per measurement (its load time is not counted). Batched
 offered by llama-cpp-python's API, so its batch 8/32 cells stay empty.
 
     python benchmarks/execution.py [--quick] [--threads N] [--llamacpp-python PATH] [--only prefill]
-        [--sides bf16,fp32] [--lengths 512,2048]
+        [--sides bf16 fp32] [--lengths 512 2048] [--batches 8 32]
     python benchmarks/execution.py --only decode --batches 1 --sides int4   # batch 1 vs llama.cpp only
+    python benchmarks/execution.py --only decode --batches 8 32 --sides bf16  # batched decode vs transformers
 
 The prefill section also runs fp32 in the engine's default 2,048-token chunks (chunks after the
 first attend over the cached pages of the earlier ones) and a 200-token tail after a 2,048-token
@@ -60,7 +61,7 @@ print(time.perf_counter() - t0)
 """
 
 
-def engine_sides(threads: int, kv_gb: float) -> dict[str, dict]:
+def engine_sides(threads: int, kv_gb: float, only: list[str] | None = None) -> dict[str, dict]:
     """DeepInfer configurations: fp32, bf16 where the CPU has it natively, int8 and int4 (auto:
     the native kernel on CPU where it builds; int4 from the GGUF's Q4_1 blocks directly), and the
     fast-but-lossy fbgemm int8 kernel for reference."""
@@ -75,7 +76,10 @@ def engine_sides(threads: int, kv_gb: float) -> dict[str, dict]:
     common = dict(threads=threads, enable_prefix_cache=False, host_cache_gb=0, enable_disk_cache=False,
                   max_num_batched_tokens=8192, kv_cache_memory_gb=kv_gb, progress=False,
                   speculative_config=None)
-    return {name: {**common, **kw} for name, kw in sides.items()}
+    return {name: {**common, **kw} for name, kw in sides.items() if only is None or name in only}
+
+
+SIDES = ("fp32", "bf16", "int8", "int4", "int8 fbgemm (lossy)")
 
 
 def llamacpp(peer: Path, gguf: Path, threads: int, ids: list[int], decode: int) -> float:
@@ -199,25 +203,24 @@ def main() -> None:
                     help="python of a venv with llama-cpp-python ('' to skip llama.cpp)")
     ap.add_argument("--only", choices=["prefill", "decode", "contention"], action="append",
                     help="run only these sections (repeatable; default: all)")
-    ap.add_argument("--batches", default=None, help="decode batch sizes, comma-separated (default 1,8,32; --quick: 1,8)")
-    ap.add_argument("--sides", default="", help="comma-separated DeepInfer configurations to run "
-                    "(fp32, bf16, int8, int4, 'int8 fbgemm (lossy)'; default: all); the fp32 chunked and "
-                    "tail cells need fp32")
-    ap.add_argument("--lengths", default="", help="comma-separated prefill lengths (default: 512,2048,8000)")
+    ap.add_argument("--batches", type=int, nargs="+", default=None,
+                    help="decode batch sizes (default: 1 8 32; --quick: 1 8)")
+    ap.add_argument("--sides", nargs="+", default=None, choices=SIDES,
+                    help="DeepInfer configurations to run (default: all this CPU has)")
+    ap.add_argument("--lengths", type=int, nargs="+", default=None,
+                    help="prefill lengths (default: 512 2048 8000; --quick: 512)")
     ap.add_argument("--out", default="results/execution")
     args = ap.parse_args()
+    if args.sides and "contention" in (args.only or ["contention"]) and not {"bf16", "fp32"} & set(args.sides):
+        ap.error("the contention run measures the default dtype: add --sides bf16 (or fp32), or --only decode")
     threads = args.threads or available_cores()
     lengths, batches, new_tokens = ([512], [1, 8], 8) if args.quick else ([512, 2048, 8000], [1, 8, 32], 32)
-    if args.batches:
-        batches = [int(b) for b in args.batches.split(",")]
-    if args.lengths:
-        lengths = [int(n) for n in args.lengths.split(",")]
+    batches = args.batches or batches
+    lengths = args.lengths or lengths
     peer = Path(args.llamacpp_python) if args.llamacpp_python and Path(args.llamacpp_python).exists() else None
     gguf = default_model_path()
     kv_gb = 0.25 if args.quick else 1.0
-    wanted = set(args.sides.split(",")) if args.sides else None
-    llms = {name: LLM(None, **kw) for name, kw in engine_sides(threads, kv_gb).items()
-            if wanted is None or name in wanted}
+    llms = {name: LLM(None, **kw) for name, kw in engine_sides(threads, kv_gb, args.sides).items()}
     first = next(iter(llms.values())).engine
     hf_dtype = auto_dtype(torch.device("cpu"))
     hf = AutoModelForCausalLM.from_pretrained(first.checkpoint_path, dtype=hf_dtype).eval()

@@ -78,7 +78,7 @@ class ModelRunner:
         quantize_model(model, self.quant_plan, skip=model.unquantized_linears + model.fp32_params,
                        prequantized=self._checkpoint_blocks(ckpt, model))
         use_small_row_linears(model)  # the float linears left: the native kernel for a few rows
-        use_prepacked_linears(model)  # ... and oneDNN on a packed weight for prefill chunks
+        use_prepacked_linears(model)  # ... and oneDNN on a packed weight for more rows
         return model.eval()
 
     def _checkpoint_blocks(self, ckpt: Checkpoint, model) -> dict[str, QuantizedWeight]:

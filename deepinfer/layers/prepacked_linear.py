@@ -1,14 +1,17 @@
-"""Float linears of prefill chunks through oneDNN on a weight reordered once at load.
+"""Float linears of more rows than the small-row kernel takes, through oneDNN on a weight
+reordered once at load.
 
-A prefill chunk multiplies hundreds to thousands of rows by each weight. ``F.linear`` hands
-float32 to MKL's sgemm and bfloat16 to oneDNN on the plain ``[out, in]`` weight, which both
-re-block the weight on every call; oneDNN's linear on a weight already in its blocked layout
-(``mkldnn._reorder_linear_weight``, what inductor's CPU freezing uses) skips that. Calls of
-``MIN_ROWS`` rows or more take that path; fewer rows (decode, verify spans) keep the wrapped
-layer (``SmallRowLinear`` or ``nn.Linear``) and its kernels. The packed copy costs a second
-copy of each wrapped weight, so the LM head (a prefill computes one row of logits) is left
-alone. CUDA, a torch without oneDNN, bfloat16 on a CPU oneDNN has no bf16 path for, and
-``DEEPINFER_NO_PREPACK=1`` keep the layers as they are.
+Prefill chunks and batched decodes of more than 16 sequences multiply tens to thousands of rows
+by each weight. ``F.linear`` hands float32 to MKL's sgemm and bfloat16 to oneDNN on the plain
+``[out, in]`` weight, which both re-block the weight on every call; oneDNN's linear on a weight
+already in its blocked layout (``mkldnn._reorder_linear_weight``, what inductor's CPU freezing
+uses) skips that, and streams the blocked weight from memory faster too. Calls of ``MIN_ROWS``
+rows or more take that path; fewer rows (batch-1 and small-batch decode, verify spans) keep the
+wrapped layer (``SmallRowLinear`` or ``nn.Linear``) and its kernels, whose results do not depend
+on the number of rows. The packed copy costs a second copy of each wrapped weight, the LM head's
+included: a prefill computes one row of logits per sequence, but a batched decode one per
+sequence of the batch. CUDA, a torch without oneDNN, bfloat16 on a CPU oneDNN has no bf16 path
+for, and ``DEEPINFER_NO_PREPACK=1`` keep the layers as they are.
 """
 
 from __future__ import annotations
@@ -19,11 +22,14 @@ import torch
 from torch import nn
 
 from .linear import SplitOutputs
-from .small_row_linear import DTYPES, SmallRowLinear
+from .small_row_linear import DTYPES, MAX_ROWS, SmallRowLinear
 
 DISABLE_ENV = "DEEPINFER_NO_PREPACK"
-# Below this many rows a call is a decode or a verify span: the wrapped layer's kernels.
-MIN_ROWS = 64
+# bfloat16 calls of fewer rows are the small-row kernel's (SmallRowLinear); above them oneDNN on
+# the packed weight beats F.linear at every row count (README "Execution"). float32 keeps
+# F.linear (MKL, what transformers runs: fp32 stays comparable to it) below prefill chunks.
+MIN_ROWS = MAX_ROWS + 1
+FP32_MIN_ROWS = 64
 # Rows the weight's blocked layout is chosen for (any row count runs on it).
 PACK_ROWS = 2048
 
@@ -53,6 +59,7 @@ class PrepackedLinear(SplitOutputs, nn.Module):
         self.out_features = inner.out_features
         self.out_sizes = inner.out_sizes if isinstance(inner, SplitOutputs) else [inner.out_features]
         self.packed = torch.ops.mkldnn._reorder_linear_weight(inner.weight.detach().contiguous(), PACK_ROWS)
+        self.min_rows = MIN_ROWS if inner.weight.dtype == torch.bfloat16 else FP32_MIN_ROWS
 
     @property
     def weight(self) -> torch.Tensor:
@@ -63,7 +70,7 @@ class PrepackedLinear(SplitOutputs, nn.Module):
         return self.inner.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() < MIN_ROWS * self.in_features:
+        if x.numel() < self.min_rows * self.in_features:
             return self.inner.forward(x)  # not inner(x): no second module call per decode linear
         return packed_linear(x, self.packed, self.inner.bias)
 
@@ -71,13 +78,13 @@ class PrepackedLinear(SplitOutputs, nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, large_rows=onednn_packed"
 
 
-def use_prepacked_linears(model: nn.Module, skip: tuple[str, ...] = ("lm_head",)) -> int:
-    """Wrap each float CPU linear of ``model`` (``nn.Linear`` or ``SmallRowLinear``; not the
-    names in ``skip``) in a ``PrepackedLinear`` where oneDNN runs its dtype; returns the number
-    wrapped (0 elsewhere)."""
+def use_prepacked_linears(model: nn.Module) -> int:
+    """Wrap each float CPU linear of ``model`` (``nn.Linear`` or ``SmallRowLinear``; a float32 LM
+    head stays, as its logits stay comparable to transformers') in a ``PrepackedLinear`` where
+    oneDNN runs its dtype; returns the number wrapped (0 elsewhere)."""
     targets = [(name, m) for name, m in model.named_modules()
-               if isinstance(m, (nn.Linear, SmallRowLinear)) and name.rpartition(".")[2] not in skip
-               and m.weight.device.type == "cpu" and m.weight.dtype in DTYPES]
+               if isinstance(m, (nn.Linear, SmallRowLinear)) and m.weight.device.type == "cpu"
+               and (m.weight.dtype == torch.bfloat16 or name.rpartition(".")[2] != "lm_head") and m.weight.dtype in DTYPES]
     targets = [(name, m) for name, m in targets if prepack_available(m.weight.dtype)]
     for name, linear in targets:
         parent_name, _, attr = name.rpartition(".")

@@ -3,8 +3,10 @@
 // its page table, so no layer copies K/V into a workspace first.
 //
 // Work item: (sequence, kv head, chunk of kSplit keys). The q heads of one kv head (GQA) share
-// each key and value load. Within a chunk keys are scored kBlock at a time, with an online
-// softmax in fp32 (running max, rescaled sum and accumulator); chunks are merged in order by a
+// each key and value load: a block's keys are scored for each of them (from L1), then each value
+// vector is loaded and widened once and added into every head's accumulator (up to four heads at
+// a time, whose accumulators fill the registers). Within a chunk keys are scored kBlock at a
+// time, with an online softmax in fp32 (running max, rescaled sum and accumulator); chunks are merged in order by a
 // second pass. The split depends only on the context length, never on the thread count, so
 // results are the same on any number of threads.
 //
@@ -29,6 +31,7 @@
 #include <optional>
 #include <string>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #ifdef __AVX2__
@@ -205,6 +208,46 @@ inline float exp_sum(float* s, float m, int64_t n) {
   return total;
 }
 
+// The heads g0 .. g0 + GN - 1 of a kv head's G, four at a time: f(GN constant, g0).
+template <typename F>
+inline void head_chunks(int64_t G, F&& f) {
+  for (int64_t g0 = 0; g0 < G; g0 += 4) {
+    switch (std::min<int64_t>(4, G - g0)) {
+      case 4: f(std::integral_constant<int, 4>{}, g0); break;
+      case 3: f(std::integral_constant<int, 3>{}, g0); break;
+      case 2: f(std::integral_constant<int, 2>{}, g0); break;
+      default: f(std::integral_constant<int, 1>{}, g0); break;
+    }
+  }
+}
+
+#ifdef __AVX512F__
+// For GN heads: acc_g[0:Dv] = acc_g * c[g] + sum_t p_g[t] * v[t] (acc_g = acc + g * row,
+// p_g = p + g * kBlock), Dv % 64 == 0: each value vector is loaded and widened once for all GN
+// heads; per head the same arithmetic as accumulate(), so the same bits.
+template <int GN, typename T>
+inline void accumulate_heads(float* acc, int64_t row, const float* c, const float* p, const T* const* v, int64_t n,
+                             int64_t Dv) {
+  for (int64_t d = 0; d < Dv; d += 64) {
+    __m512 a[GN][4];
+    for (int g = 0; g < GN; ++g) {
+      const __m512 cw = _mm512_set1_ps(c[g]);
+      for (int i = 0; i < 4; ++i) a[g][i] = _mm512_mul_ps(cw, _mm512_loadu_ps(acc + g * row + d + 16 * i));
+    }
+    for (int64_t t = 0; t < n; ++t) {
+      __m512 vv[4];
+      for (int i = 0; i < 4; ++i) vv[i] = load16(v[t] + d + 16 * i);
+      for (int g = 0; g < GN; ++g) {
+        const __m512 pv = _mm512_set1_ps(p[g * kBlock + t]);
+        for (int i = 0; i < 4; ++i) a[g][i] = _mm512_fmadd_ps(pv, vv[i], a[g][i]);
+      }
+    }
+    for (int g = 0; g < GN; ++g)
+      for (int i = 0; i < 4; ++i) _mm512_storeu_ps(acc + g * row + d + 16 * i, a[g][i]);
+  }
+}
+#endif
+
 struct Item {
   int64_t b, begin, end;  // sequence, positions [begin, end) of its keys
 };
@@ -231,7 +274,7 @@ template <typename T>
 void attend_chunk(const Item& it, int64_t h, const T* q, const T* k, const T* v, const int64_t* pages,
                   const int64_t* kv_start, int64_t Hq, const at::IntArrayRef ks, const at::IntArrayRef vs,
                   int64_t G, int64_t D, int64_t Dv, int64_t S, int64_t width, float scale, float* part,
-                  std::vector<float>& qf, std::vector<float>& sc) {
+                  std::vector<float>& qf, std::vector<float>& sc, std::vector<float>& cs) {
   const int64_t row = Dv + 2;
   for (int64_t g = 0; g < G; ++g) {
     const T* qs = q + (it.b * Hq + h * G + g) * D;
@@ -254,26 +297,36 @@ void attend_chunk(const Item& it, int64_t h, const T* q, const T* k, const T* v,
       vrow[t] = v + page * vs[0] + off * vs[1] + h * vs[2];
     }
     prefetch_block(it, pos0 + kBlock, first, table, S, k + h * ks[2], ks, D, v + h * vs[2], vs, Dv);
-    for (int64_t g = 0; g < G; ++g) {
-      const float* qg = qf.data() + g * D;
-      float* s = sc.data() + g * kBlock;
+    const T* qh = q + (it.b * Hq + h * G) * D;  // the G query rows of this kv head
+    bool scored = false;
 #ifdef DEEPINFER_DPBF16
-      if constexpr (std::is_same_v<T, bf16>) {
-        if (D % 32 == 0) dp_scores(q + (it.b * Hq + h * G + g) * D, scale, krow, n, D, s);
-        else scores(qg, krow, n, D, s);
-      } else {
-        scores(qg, krow, n, D, s);
+    if constexpr (std::is_same_v<T, bf16>) {
+      if (D % 32 == 0) {
+        for (int64_t g = 0; g < G; ++g) dp_scores(qh + g * D, scale, krow, n, D, sc.data() + g * kBlock);
+        scored = true;
       }
-#else
-      scores(qg, krow, n, D, s);
+    }
 #endif
+    if (!scored)
+      for (int64_t g = 0; g < G; ++g) scores(qf.data() + g * D, krow, n, D, sc.data() + g * kBlock);
+    for (int64_t g = 0; g < G; ++g) {  // online softmax per head; its rescale factor into cs[g]
+      float* s = sc.data() + g * kBlock;
       float* p = part + g * row;
       const float m_new = std::max(p[0], *std::max_element(s, s + n));
-      const float c = std::exp(p[0] - m_new);  // 0 for the first block (max -inf)
-      p[1] = p[1] * c + exp_sum(s, m_new, n);
+      cs[g] = std::exp(p[0] - m_new);  // 0 for the first block (max -inf)
+      p[1] = p[1] * cs[g] + exp_sum(s, m_new, n);
       p[0] = m_new;
-      accumulate(p + 2, c, s, vrow, n, Dv);
     }
+#ifdef __AVX512F__
+    if (Dv % 64 == 0) {
+      head_chunks(G, [&](auto gn, int64_t g0) {
+        accumulate_heads<decltype(gn)::value>(part + g0 * row + 2, row, cs.data() + g0, sc.data() + g0 * kBlock,
+                                              vrow, n, Dv);
+      });
+      continue;
+    }
+#endif
+    for (int64_t g = 0; g < G; ++g) accumulate(part + g * row + 2, cs[g], sc.data() + g * kBlock, vrow, n, Dv);
   }
 }
 
@@ -296,11 +349,11 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   for (const Item& it : items) keys += it.end - it.begin;
   const int64_t grain = keys * Hq >= kMinParallel ? 1 : std::max<int64_t>(1, n_items * Hkv);
   at::parallel_for(0, n_items * Hkv, grain, [&](int64_t lo, int64_t hi) {
-    std::vector<float> qf(G * D), sc(G * kBlock);
+    std::vector<float> qf(G * D), sc(G * kBlock), cs(G);
     for (int64_t w = lo; w < hi; ++w) {
       const int64_t i = w / Hkv, h = w % Hkv;
       attend_chunk(items[i], h, qp, kp, vp, pp, kv_start, Hq, ks, vs, G, D, Dv, S, width, scale,
-                   part.data() + w * G * row, qf, sc);
+                   part.data() + w * G * row, qf, sc, cs);
     }
   });
   T* op = out.data_ptr<T>();
