@@ -12,7 +12,7 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null \
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 libnl-3-200 libnl-route-3-200 redis-server >/dev/null
 fi
 # A C++ compiler for our native CPU kernels (ninja comes with the pip install above): the quantized
-# matmul, the paged decode and prefix attention, the small ops, the small-row float linears, the FP8/FP4
+# matmul, the paged decode and prefill attention, the small ops, the small-row float linears, the FP8/FP4
 # page codecs; without one, each falls back to its torch path. Then build them once.
 if ! command -v g++ >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
     apt-get update -qq
@@ -21,13 +21,13 @@ fi
 python - <<'PY'
 from deepinfer.layers.native_decode import native_decode_kernel
 from deepinfer.layers.native_ops import small_ops_kernel
-from deepinfer.layers.native_prefix import native_prefix_kernel
+from deepinfer.layers.native_prefill import native_prefill_kernel
 from deepinfer.kv.tiers.native_pages import page_codecs_kernel
 from deepinfer.layers.small_row_linear import small_rows_kernel
 from deepinfer.quant.native import native_kernel
 
 for name, build in (("quantized matmul", native_kernel), ("paged decode attention", native_decode_kernel),
-                    ("prefix attention (bf16 prefill over cached pages)", native_prefix_kernel),
+                    ("prefill attention (bf16 chunks over their cached and own keys)", native_prefill_kernel),
                     ("small ops", small_ops_kernel), ("small-row linear", small_rows_kernel),
                     ("FP8/FP4 page codecs", page_codecs_kernel)):
     k = build()

@@ -37,7 +37,7 @@ def then_causal(q: torch.Tensor, o_pre: torch.Tensor, lse_pre: torch.Tensor, k_o
                 v_own: torch.Tensor, scale: float) -> torch.Tensor:
     """The chunk's own keys k_own/v_own [1, Hkv, Lq, D] causally, merged with its attention over
     the earlier keys, o_pre [1, Hq, Lq, D] with its log-sum-exp lse_pre [1, Hq, Lq] (computed by
-    the flash op above, or read from the pages by ``native_prefix``). Returns [1, Hq, Lq, D]."""
+    the flash op above, or by torch over gathered pages). Returns [1, Hq, Lq, D]."""
     o_own, lse_own = _flash_with_lse(q, k_own, v_own, is_causal=True, scale=scale)
     # softmax weight of the earlier keys' block: e^lse_pre / (e^lse_pre + e^lse_own)
     w_pre = torch.sigmoid(lse_pre - lse_own).unsqueeze(-1)
