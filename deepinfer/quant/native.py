@@ -35,13 +35,15 @@ def native_kernel() -> NativeExtension:
 
 
 def native_linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None, act_bits: int,
-                  vnni: bool = True) -> torch.Tensor:
+                  vnni: bool = True, wide: bool = True) -> torch.Tensor:
     """``x[M, K] @ W.T + bias``, ``W`` packed by ``pack_weight``, ``x`` fp32 or bf16 and the result in
     its dtype (bf16: computed as for ``x.float()``, then rounded once; ``bias`` is fp32 either way).
     ``act_bits`` 16 or 8: each block of 32 values of a row of ``x`` is rounded first to int16 /
     int8 codes (``round(x * L / max|x|)``, ``L`` = 32767 or 127, one scale per block), then dotted
     exactly with the weight codes; 32: the codes are widened to fp32 and ``x`` is kept as it is.
     ``vnni=False`` runs the AVX2 integer loop even in an AVX-512 VNNI build (the same bits: tests
-    and benchmarks compare the two in one process); builds without VNNI ignore it."""
+    and benchmarks compare the two in one process); builds without VNNI ignore it. ``wide=False``
+    keeps calls of several rows off the 512-bit tiles (``csrc/qgemm_wide.h``; the same bits) where
+    the build has them."""
     return torch.ops.deepinfer_quant.linear(x, w.codes, w.scale, w.offset, bias, w.out_features, w.bits, act_bits,
-                                            vnni)
+                                            vnni, wide)

@@ -156,6 +156,26 @@ def test_vnni_code_gives_the_avx2_loops_bits(kernel, threads, fmt, n, k, act_bit
                        native_linear(x[:3], extreme, None, act_bits, vnni=False))
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("n,k", [(80, 96), (33, 160), (1200, 576)])  # 10, 5 (odd: one block alone), 150 blocks
+def test_wide_tiles_give_the_256_bit_loops_bits(kernel, threads, fmt, n, k):
+    """The 512-bit tiles of calls of several rows (csrc/qgemm_wide.h) take the same integer dots
+    and per-group FMAs as the 256-bit loop: equal bit for bit at every row count, fp32 and bf16
+    out, with and without bias, extreme codes included (builds without them: the same call twice)."""
+    threads(2)
+    torch.manual_seed(n + k)
+    w = pack_weight(FORMATS[fmt](torch.randn(n, k) / k ** 0.5))
+    x, bias = torch.randn(40, k) * torch.rand(k) * 4, torch.randn(n)
+    x[1] = -x[1].abs().max()
+    x[2, :32] = 0
+    for m in (1, 7, 8, 9, 16, 17, 23, 32, 40):
+        for xm in (x[:m], x[:m].bfloat16()):
+            for b in (None, bias):
+                y, ref = native_linear(xm, w, b, 16), native_linear(xm, w, b, 16, wide=False)
+                assert torch.equal(y.view(torch.int16) if y.dtype == torch.bfloat16 else y,
+                                   ref.view(torch.int16) if ref.dtype == torch.bfloat16 else ref), (m, xm.dtype)
+
+
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 @pytest.mark.parametrize("act_bits", [32, 16, 8])
 def test_same_bits_on_any_thread_count(kernel, threads, fmt, act_bits):

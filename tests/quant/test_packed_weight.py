@@ -68,14 +68,16 @@ def test_layer_holds_one_copy_of_the_codes(scheme):
 @pytest.mark.parametrize("act_bits", [32, 16, 8])
 @pytest.mark.parametrize("n", [9, 40])
 def test_each_row_of_x_as_if_alone(threads, fmt, act_bits, n):
-    """Rows are tiled 4 at a time over each block of 8 output rows: a row's result is bit for bit
-    the one it gets in a call of its own, whatever M and wherever it sits."""
+    """Rows are tiled (4 at a time over each block of 8 output rows; with AVX-512, 8+ rows up to 8
+    at a time over two blocks): a row's result is bit for bit the one it gets in a call of its
+    own, whatever M and wherever it sits (a verify span's logits equal the decode's)."""
     loaded(native_kernel())
     threads(2)
     torch.manual_seed(n)
     w = pack_weight(FORMATS[fmt](torch.randn(n, 160) / 12))
-    x, bias = torch.randn(17, 160) * torch.rand(160) * 3, torch.randn(n)
+    x, bias = torch.randn(40, 160) * torch.rand(160) * 3, torch.randn(n)
     y = native_linear(x, w, bias, act_bits)
-    for m in range(17):
+    for m in range(40):
         assert torch.equal(y[m], native_linear(x[m:m + 1], w, bias, act_bits)[0])
-    assert torch.equal(y[5:13], native_linear(x[5:13].contiguous(), w, bias, act_bits))
+    for m0, m1 in ((5, 13), (0, 16), (3, 20), (0, 32)):
+        assert torch.equal(y[m0:m1], native_linear(x[m0:m1].contiguous(), w, bias, act_bits))

@@ -22,7 +22,9 @@
 // its multiply-add and add into vpdpwssd, and act_bits 8 takes its codes as bytes, 4 products per
 // vpdpbusd (u8 x s8: int4 codes are the unsigned side; int8 codes meet x + 128, less 128 x the
 // codes' sum, as llama.cpp does); the integer dots are exact either way, so the results are the
-// AVX2 loop's bit for bit (vnni=false runs that loop in such a build, to compare them).
+// AVX2 loop's bit for bit (vnni=false runs that loop in such a build, to compare them). With
+// AVX-512 BW too, int16 calls of several rows run qgemm_wide.h's 512-bit tiles, again the same
+// bits (wide=false keeps them on the 256-bit loop, to compare).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -37,6 +39,7 @@
 
 #include "qgemm_acts.h"
 #include "qgemm_layout.h"
+#include "qgemm_operands.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -45,32 +48,11 @@
 #define DEEPINFER_VNNI 1  // 256-bit vpdpwssd / vpdpbusd: the same registers, fused multiply-add-to-int32
 #endif
 #endif
+#include "qgemm_wide.h"  // (after DEEPINFER_VNNI: its 512-bit tiles need it)
 
 namespace {
 
 constexpr int MAX_MT = 4;  // activation rows per pass over a block
-
-// The weights as pack_weight lays them out (codes, scale, offset from the first block on).
-struct Packed {
-  const uint8_t* codes;
-  const float* scale;
-  const float* offset;  // null: symmetric
-  const float* bias;    // null: none
-  int64_t groups;
-};
-
-// Where a call's outputs go, y [M, N] row-major: fp32, or bf16 rounded to nearest even as each
-// value is stored (torch's own fp32 -> bf16 rounding, so no second pass over y).
-struct Out {
-  float* f;           // null: bf16
-  at::BFloat16* h;    // null: fp32
-  int64_t N;
-  Out at(int64_t m) const { return {f == nullptr ? nullptr : f + m * N, h == nullptr ? nullptr : h + m * N, N}; }
-  void put(int64_t m, int64_t n, float v) const {
-    if (f != nullptr) f[m * N + n] = v;
-    else h[m * N + n] = at::BFloat16(v);
-  }
-};
 
 #ifdef DEEPINFER_AVX2
 
@@ -265,13 +247,24 @@ void block_tile(const Rows& a, const Packed& w, int64_t n0, int valid, const Out
 #endif
 
 // Blocks b0 .. b1 for every row of x: each block's codes are read from memory once, then reused
-// from cache for the next MT rows.
+// from cache for the next MT rows. wide: two blocks at a time through qgemm_wide.h's tiles (the
+// same bits), the last one of an odd count alone.
 template <int BITS, Path P>
-void blocks(const Rows& a, const Packed& w, int64_t M, int64_t N, int64_t b0, int64_t b1, const Out& y) {
+void blocks(const Rows& a, const Packed& w, int64_t M, int64_t N, int64_t b0, int64_t b1, const Out& y,
+            bool wide) {
   for (int64_t b = b0; b < b1; ++b) {
     const Packed wb{w.codes + b * w.groups * block_bytes<BITS>(), w.scale + b * w.groups * ROWS,
                     w.offset == nullptr ? nullptr : w.offset + b * w.groups * ROWS, w.bias, w.groups};
     const int64_t n0 = b * ROWS;
+#ifdef DEEPINFER_WIDE
+    if constexpr (P == Path::int16_vnni) {
+      if (wide && b + 1 < b1) {
+        wide_pair_of_blocks<BITS>(a, wb, M, n0, static_cast<int>(std::min<int64_t>(2 * ROWS, N - n0)), y);
+        ++b;
+        continue;
+      }
+    }
+#endif
     const int valid = static_cast<int>(std::min<int64_t>(ROWS, N - n0));
     for (int64_t m0 = 0; m0 < M; m0 += MAX_MT) {
       const Rows am = a.at(m0);
@@ -288,7 +281,7 @@ void blocks(const Rows& a, const Packed& w, int64_t M, int64_t N, int64_t b0, in
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                   const std::optional<at::Tensor>& offset, const std::optional<at::Tensor>& bias,
-                  int64_t out_features, int64_t bits, int64_t act_bits, bool vnni) {
+                  int64_t out_features, int64_t bits, int64_t act_bits, bool vnni, bool wide) {
   TORCH_CHECK(bits == 8 || bits == 4, "bits must be 8 or 4, got ", bits);
   TORCH_CHECK(act_bits == 32 || act_bits == 16 || act_bits == 8, "act_bits must be 32, 16 or 8, got ", act_bits);
   const bool bf16 = x.scalar_type() == at::kBFloat16;
@@ -322,6 +315,11 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor
   const Path ints = Path::int16;  // (vnni: no such code in this build)
 #endif
   const Path path = act_bits == 32 ? Path::floats : ints;
+#ifdef DEEPINFER_WIDE
+  const bool wide_rows = wide && M >= WIDE_MIN_ROWS;  // (int16 VNNI calls only: blocks() checks the path)
+#else
+  const bool wide_rows = false;  // (wide: no such code in this build)
+#endif
   const Activations acts(x, bits, act_bits, path, off != nullptr);
   const Rows a = acts.rows();
   const Packed w{static_cast<const uint8_t*>(codes.data_ptr()), scale.data_ptr<float>(), off, b, groups};
@@ -330,8 +328,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor
   const int64_t grain = std::max<int64_t>(1, (1 << 16) / std::max<int64_t>(1, M * K * ROWS));
   at::parallel_for(0, nblocks, grain, [&](int64_t b0, int64_t b1) {
     auto run = [&](auto p) {
-      if (bits == 8) blocks<8, decltype(p)::value>(a, w, M, N, b0, b1, yp);
-      else blocks<4, decltype(p)::value>(a, w, M, N, b0, b1, yp);
+      if (bits == 8) blocks<8, decltype(p)::value>(a, w, M, N, b0, b1, yp, wide_rows);
+      else blocks<4, decltype(p)::value>(a, w, M, N, b0, b1, yp, wide_rows);
     };
     switch (path) {
       case Path::floats: run(std::integral_constant<Path, Path::floats>{}); break;
@@ -395,7 +393,7 @@ std::string isa() {
 
 TORCH_LIBRARY(deepinfer_quant, m) {
   m.def("linear(Tensor x, Tensor codes, Tensor scale, Tensor? offset, Tensor? bias, int out_features, int bits, "
-        "int act_bits, bool vnni=True) -> Tensor");
+        "int act_bits, bool vnni=True, bool wide=True) -> Tensor");
   m.def("dequantize(Tensor codes, Tensor scale, Tensor? offset, int out_features, int bits) -> Tensor");
   m.def("isa() -> str", &isa);
   m.impl("linear", c10::DispatchKey::CPU, TORCH_FN(linear));
