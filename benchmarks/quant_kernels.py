@@ -11,12 +11,14 @@ the kernel at every M (the layer itself switches to ``dequant`` above ``NATIVE_M
 engines run alternately round by round in one process. ``--profile``: where a batch-1 decode step
 of the GGUF with int4 weights and the native kernel goes, op by op (torch profiler, self CPU time).
 ``--bandwidth``: the native kernel's time per call and the weight bytes it reads per second.
+``--wide``: the 512-bit tiles (``csrc/qgemm_wide.h``) vs the 256-bit loop, oneDNN's bf16 linear
+alongside: per call at M = 1 .. 64, and with ``--decode`` decode tok/s at batch 8 / 32.
 ``--vnni``: in a build with AVX-512 VNNI code, that code vs the AVX2 loop of the same build
 (``native_linear(vnni=False)``), interleaved: per call, and with ``--decode`` decode tok/s at
 batch 1 / 8 / 32 (the engine's layers switched to the AVX2 loop for the other side's rounds),
 tinygemm's int4 alongside.
 
-    python benchmarks/quant_kernels.py [--threads 1] [--rounds 5] [--quick] [--decode | --profile | --bandwidth] [--vnni]
+    python benchmarks/quant_kernels.py [--threads 1] [--rounds 5] [--quick] [--decode | --profile | --bandwidth] [--vnni | --wide]
 """
 
 from __future__ import annotations
@@ -92,17 +94,18 @@ def decode(threads: int, rounds: int, tokens: int) -> None:
 
 
 @contextmanager
-def avx2_loop(on: bool):
-    """The quantized layers run the AVX2 integer loop instead of the VNNI code while inside."""
+def native_args(**kwargs):
+    """The quantized layers call the native kernel with ``kwargs`` (``vnni=False``: the AVX2 integer
+    loop; ``wide=False``: no 512-bit tiles) while inside; none: as they are."""
     import deepinfer.quant.linear as layers
 
-    vnni = layers.native_linear
-    if on:
-        layers.native_linear = lambda *args: vnni(*args, vnni=False)
+    plain = layers.native_linear
+    if kwargs:
+        layers.native_linear = lambda *args: plain(*args, **kwargs)
     try:
         yield
     finally:
-        layers.native_linear = vnni
+        layers.native_linear = plain
 
 
 def decode_vnni(threads: int, rounds: int, tokens: int) -> None:
@@ -126,7 +129,7 @@ def decode_vnni(threads: int, rounds: int, tokens: int) -> None:
         best = dict.fromkeys(sides, 0.0)
         for _ in range(rounds):
             for (v, code) in sides:
-                with avx2_loop(code == "avx2"):
+                with native_args(**({"vnni": False} if code == "avx2" else {})):
                     engines[v].generate(prompts, SamplingParams(max_tokens=2, temperature=0))  # warm
                     t0 = time.perf_counter()
                     outs = engines[v].generate(prompts, params)
@@ -156,6 +159,55 @@ def per_call_vnni(shapes: list[tuple[int, int]], rounds: int, reps: int) -> None
                         best[key] = min(best[key], per_call(fn, reps, time.thread_time))
                 print(f"| {n}x{k} | {scheme} | {m} | {best[16, False] / best[16, True]:.2f}x | "
                       f"{best[8, False] / best[8, True]:.2f}x |")
+
+
+def decode_wide(threads: int, rounds: int, tokens: int) -> None:
+    """Decode tok/s at batch 8 / 32, int8 and int4 (native kernel), with the 512-bit tiles vs
+    without (the 256-bit loop), bf16 weights alongside; all sides alternating round by round."""
+    from deepinfer.llm import LLM
+    from deepinfer.sampling_params import SamplingParams
+
+    common = dict(threads=threads, kv_cache_memory_gb=0.3, progress=False, host_cache_gb=0, enable_disk_cache=False,
+                  enable_prefix_cache=False, speculative_config=None)
+    engines = {s: LLM(None, quantization=s, **common) for s in ("int8", "int4")} | {"bf16": LLM(None, **common)}
+    params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
+    sides = [(s, wide) for s in ("int8", "int4") for wide in (True, False)] + [("bf16", True)]
+    print("| batch | int8 wide | int8 256-bit | wide / 256-bit | int4 wide | int4 256-bit | wide / 256-bit | bf16 |"
+          "\n|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for batch in (8, 32):
+        prompts = [[1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 28 + i] for i in range(batch)]
+        best = dict.fromkeys(sides, 0.0)
+        for _ in range(rounds):
+            for s, wide in sides:
+                with native_args(**({} if wide else {"wide": False})):
+                    engines[s].generate(prompts, SamplingParams(max_tokens=2, temperature=0))  # warm
+                    t0 = time.perf_counter()
+                    outs = engines[s].generate(prompts, params)
+                    best[s, wide] = max(best[s, wide], sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t0))
+        cells = [f"{best[s, True]:.1f} | {best[s, False]:.1f} | {best[s, True] / best[s, False]:.2f}x" for s in ("int8", "int4")]
+        print(f"| {batch} | {cells[0]} | {cells[1]} | {best['bf16', True]:.1f} |")
+
+
+def per_call_wide(shapes: list[tuple[int, int]], rounds: int, reps: int) -> None:
+    """Per call, process CPU time, int16 activations: the 256-bit loop's time / the 512-bit tiles',
+    and oneDNN's bf16 linear on a packed bf16 weight (the bf16 model's) / the tiles', at M = 1 .. 64."""
+    from deepinfer.layers.prepacked_linear import PACK_ROWS, packed_linear
+
+    print("| weight | scheme | M | 256-bit / wide | bf16 oneDNN / wide |\n|---|---|---:|---:|---:|")
+    for n, k in shapes:
+        w = torch.randn(n, k) / k ** 0.5
+        bf16 = torch.ops.mkldnn._reorder_linear_weight(w.bfloat16(), PACK_ROWS)
+        for scheme in ("int8", "int4"):
+            q = pack_weight(quantize_weight(w, QuantPlan(scheme, "native")))
+            for m in (1, 4, 8, 16, 17, 32, 64):
+                x = torch.randn(m, k).bfloat16()
+                fns = {"wide": lambda: native_linear(x, q, None, 16), "256": lambda: native_linear(x, q, None, 16, wide=False),
+                       "bf16": lambda: packed_linear(x, bf16, None)}
+                best = dict.fromkeys(fns, float("inf"))
+                for _ in range(rounds):
+                    for key, fn in fns.items():
+                        best[key] = min(best[key], per_call(fn, max(1, reps * 4096 // (n * m) + 1), time.process_time))
+                print(f"| {n}x{k} | {scheme} | {m} | {best['256'] / best['wide']:.2f}x | {best['bf16'] / best['wide']:.2f}x |")
 
 
 def profile(threads: int, tokens: int) -> None:
@@ -206,6 +258,8 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="where a batch-1 int4 decode step goes, op by op")
     ap.add_argument("--bandwidth", action="store_true", help="native kernel time per call and weight GB/s")
     ap.add_argument("--vnni", action="store_true", help="the VNNI code vs the AVX2 loop (per call; with --decode, tok/s)")
+    ap.add_argument("--wide", action="store_true",
+                    help="the 512-bit tiles vs the 256-bit loop, bf16 alongside (per call; with --decode, tok/s)")
     ap.add_argument("--tokens", type=int, default=64, help="--decode / --profile: tokens per round")
     args = ap.parse_args()
     shapes = SHAPES[:1] if args.quick else SHAPES
@@ -214,6 +268,14 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     if not native_kernel().loaded:
         print(f"native kernel: {native_kernel().error}")
+    if args.wide:
+        print(f"CPU: {lscpu_model()}, kernel {native_kernel().isa}, {args.threads} thread(s), "
+              f"best of {args.rounds} alternating rounds")
+        if args.decode:
+            decode_wide(args.threads, 1 if args.quick else args.rounds, 8 if args.quick else args.tokens)
+        else:
+            per_call_wide(shapes, args.rounds, args.reps)
+        return
     if args.vnni:
         print(f"CPU: {lscpu_model()}, kernel {native_kernel().isa}, {args.threads} thread(s), "
               f"best of {args.rounds} alternating rounds")
