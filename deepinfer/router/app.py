@@ -61,7 +61,7 @@ class Router:
         self.policy = Policy(config.policy, self.index,
                              CostWeights(config.overlap_weight, config.decode_weight,
                                          config.evict_weight, config.stick_gap,
-                                         config.duplicate_weight))
+                                         config.duplicate_weight, config.pool_weight))
         self.tokens = PromptTokenizer(tokenizer)
         self.client: httpx.AsyncClient | None = None
         self.retries = 0

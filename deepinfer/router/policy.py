@@ -21,13 +21,16 @@ load alone (a PD decode worker too).
 
 Workers sharing one KV pool (the same ``--kv-store``, from their snapshots) make the cluster's
 copy of a prefix count once. A page the pool holds (a peer wrote it: the peer's L3 events) is a
-hit on every peer, which loads it instead of computing it. A page a peer holds or is computing
+hit on every peer, which loads it instead of computing it (``pool_weight`` of a prefilled page
+each: a load is cheap, not free). A page a peer holds or is computing
 but has not written yet would be computed a second time, though the pool will hold it soon: it
 costs ``duplicate_weight`` more, so the first requests of a new shared prefix (a system prompt,
 tool specs) gather where it is being computed, which waits for it rather than computing it
 again (the scheduler's rule), and later ones, spread by load, load it from the pool. Without a
 shared pool each worker needs its own copy to serve the prefix at all, so that price is the
-plain prefill the cost above already counts: the cost is then exactly the one above.
+plain prefill the cost above already counts: the cost is then exactly the one above. Nor does
+stickiness hold a conversation that another candidate can load from the pool: a move there
+computes nothing again, and the copy it leaves behind is in the pool as well.
 """
 
 from __future__ import annotations
@@ -66,6 +69,7 @@ class CostWeights:
     evict_weight: float = 1.0  # per cached page the request would push out of the worker's L1
     stick_gap: float = 16.0  # pages of open work over the least loaded's that end stickiness
     duplicate_weight: float = 1.0  # per page it computes that a pool peer has (not yet pooled)
+    pool_weight: float = 0.1  # per page it loads from the shared pool (a prefilled page: 1)
 
 
 def busy(load: Load, weights: CostWeights) -> float:
@@ -79,12 +83,13 @@ def overflow(adds: int, free: int) -> int:
 
 
 def kv_cost(to_prefill: int, load: Load, weights: CostWeights, evicts: int = 0,
-            duplicates: int = 0) -> tuple[float, float]:
+            duplicates: int = 0, pooled: int = 0) -> tuple[float, float]:
     """(cost, tie-break) of a worker that would prefill ``to_prefill`` pages under ``load``,
-    pushing ``evicts`` cached pages out, ``duplicates`` of its pages a pool peer's too."""
+    pushing ``evicts`` cached pages out, ``duplicates`` of its pages a pool peer's too, and
+    load ``pooled`` pages from the shared pool."""
     b = busy(load, weights)
     return (weights.overlap_weight * to_prefill + weights.evict_weight * evicts
-            + weights.duplicate_weight * duplicates + b, b)
+            + weights.duplicate_weight * duplicates + weights.pool_weight * pooled + b, b)
 
 
 def pool_peers(workers: list[Worker]) -> dict[str, list[str]]:
@@ -131,7 +136,7 @@ class Policy:
         adds = prompt.pages(w.page_size) - hit.pages  # pooled pages land in its L1 too
         return kv_cost(prompt.prompt_pages(w.page_size) - hit.pages - hit.pooled, w.load,
                        self.weights, 0 if free is None else overflow(adds, free),
-                       self.duplicates(w, prompt, hit, peers))
+                       self.duplicates(w, prompt, hit, peers), hit.pooled)
 
     def _holds_conversation(self, w: Worker, prompt: RoutedPrompt) -> bool:
         if not w.synced or w.model_identity is None or w.page_size is None:
@@ -150,8 +155,9 @@ class Policy:
         others = [w for w in workers if w is not home]
         if not others:
             return home
-        if overlaps[home.url].pages <= max(overlaps[w.url].pages for w in others):
-            return None  # its private pages are gone (evicted): nothing to stay for
+        if overlaps[home.url].pages <= max(overlaps[w.url].pages + overlaps[w.url].pooled
+                                           for w in others):
+            return None  # its pages are gone (evicted) or in the pool: nothing to stay for
         gap = busy(home.load, self.weights) - min(busy(w.load, self.weights) for w in others)
         return home if gap <= self.weights.stick_gap else None
 

@@ -1,11 +1,13 @@
 """The kv policy over workers sharing one KV pool, without processes: pages a peer wrote to the
-pool (its L3 events) are hits on every peer, pages a peer holds or computes but has not written
-cost ``duplicate_weight`` more, and without a shared pool the cost is the plain one (exact
-expected workers and costs)."""
+pool (its L3 events) are hits on every peer at ``pool_weight`` each, pages a peer holds or
+computes but has not written cost ``duplicate_weight`` more, a conversation another worker can
+load from the pool is not held by stickiness, and without a shared pool the cost is the plain
+one (exact expected workers and costs)."""
 
 from __future__ import annotations
 
 from deepinfer.kv.hashing import chain_hashes, root_hash
+from deepinfer.router.conversations import Conversations
 from deepinfer.router.index import PrefixIndex
 from deepinfer.router.policy import CostWeights, Policy, pool_peers
 from deepinfer.router.prompts import RoutedPrompt
@@ -79,8 +81,7 @@ def test_a_new_shared_prefix_gathers_where_it_is_computed_with_a_pool():
 
 def test_pages_in_the_pool_are_hits_on_every_peer():
     """a wrote the system prompt to the pool and is busy: b loads it from there (10 pooled
-    pages, predicted as hits, 3 to prefill) instead of computing it; b's own later request
-    prefills only what it lacks."""
+    pages at 0.1, predicted as hits, 3 to prefill) instead of computing it."""
     idx = PrefixIndex()
     a, b = _worker("a"), _worker("b")
     idx.reset("a", {"device": _sys_hex(), "disk": _sys_hex()})
@@ -88,10 +89,31 @@ def test_pages_in_the_pool_are_hits_on_every_peer():
     a.begin(Routed(pages=14, prefill_pages=6))
     kv = Policy("kv", idx, NO_EVICT)
     c = kv.pick([a, b], _request(3))
-    assert (c.worker.url, c.costs) == ("b", {"a": 9.0, "b": 3.0})
+    assert (c.worker.url, c.costs) == ("b", {"a": 9.0, "b": 4.0})
     assert (c.overlap.pages, c.overlap.pooled, c.predicted_hit_tokens) == (0, 10, 40)
     # a worker with its own pool (another id) sees none of it: it would compute all 13
     lone = _worker("c", pool_id("redis://elsewhere:6379"))
     idx.reset("c", {})
     c = kv.pick([a, lone], _request(3))
     assert (c.worker.url, c.costs) == ("a", {"a": 9.0, "c": 13.0})
+
+
+def test_stickiness_does_not_hold_a_conversation_the_pool_serves_elsewhere():
+    """Turn 1 (13 pages) went to a, which wrote all its pages to the pool; turn 2 adds 2 pages.
+    a is busy (8 pages queued): b loads turn 1's 12 pages from the pool (1.2) and computes 3
+    (4.2 < a's 3 + 8 = 11), so the turn moves; without a pool, stickiness keeps it on a."""
+    turn1 = SYSTEM + list(range(1000, 1009))
+    turn2 = _prompt(turn1 + list(range(2000, 2008)))
+    held = [h.hex() for h in chain_hashes(turn1[:48], PS, ROOT)]
+    for pool, expect, sticky in ((POOL, "b", False), (None, "a", True)):
+        idx = PrefixIndex()
+        a, b = _worker("a", pool), _worker("b", pool)
+        idx.reset("a", {"device": held, "disk": held if pool else []})
+        idx.reset("b", {})
+        conv = Conversations()
+        conv.record(_prompt(turn1).page_hashes("model-x", PS), "a")
+        a.begin(Routed(pages=10, prefill_pages=8))
+        c = Policy("kv", idx, NO_EVICT, conv).pick([a, b], turn2)
+        assert (c.worker.url, c.sticky) == (expect, sticky)
+        if pool:
+            assert c.costs == {"a": 11.0, "b": 4.2} and c.overlap.pooled == 12
