@@ -112,7 +112,8 @@ def markdown(res: dict, aggs: dict[str, dict[str, dict]]) -> str:
             if cfg.startswith(("single_engine_2x", "round_robin")) or not a.get("rounds"):
                 continue
             parts = []
-            pooled = cfg.endswith("/pool")  # against the single engine with the same pool
+            # against the single engine with the same pool, or without it where not run
+            pooled = cfg.endswith("/pool") and "single_engine_2x/pool" in rows
             one = rows.get("single_engine_2x/pool" if pooled else "single_engine_2x", {})
             if one.get("hit_rate"):
                 parts.append(f"hit rate {a['hit_rate'] / one['hit_rate']:.1%} of the single "

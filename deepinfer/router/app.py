@@ -60,7 +60,8 @@ class Router:
                                config.health_interval_s, config.worker_api_key)
         self.policy = Policy(config.policy, self.index,
                              CostWeights(config.overlap_weight, config.decode_weight,
-                                         config.evict_weight, config.stick_gap))
+                                         config.evict_weight, config.stick_gap,
+                                         config.duplicate_weight, config.pool_weight))
         self.tokens = PromptTokenizer(tokenizer)
         self.client: httpx.AsyncClient | None = None
         self.retries = 0
@@ -77,7 +78,8 @@ class Router:
         if placement_log.isEnabledFor(logging.INFO):  # what benchmarks/router.py reads
             placement_log.info("placement %s", json.dumps({
                 "role": role, "worker": choice.worker.url, "prompt_tokens": prompt.num_tokens,
-                "hit_pages": choice.overlap.pages, "costs": choice.costs,
+                "hit_pages": choice.overlap.pages, "pooled_pages": choice.overlap.pooled,
+                "costs": choice.costs,
                 "sticky": choice.sticky,
                 "loads": {w.url: [w.prefill_pages, w.decoding, self.policy.free_pages(w)]
                           for w in workers}}))
@@ -88,7 +90,8 @@ class Router:
         there): its pages become pending there, so the next request sharing them follows, and
         its conversation's next turn finds it there."""
         w = choice.worker
-        to_prefill = prompt.prompt_pages(w.page_size) - choice.overlap.pages if cached else 0
+        hit = choice.overlap.pages + choice.overlap.pooled
+        to_prefill = prompt.prompt_pages(w.page_size) - hit if cached else 0
         r = Routed(prompt.pages(w.page_size), to_prefill)
         w.begin(r)
         if cached and w.synced and w.model_identity is not None and w.page_size is not None:

@@ -28,6 +28,10 @@ class RouterConfig:
     # this many pages of open work beyond the least loaded one (``conversations.py``; negative:
     # never, the cost alone decides).
     stick_gap: float = 16.0
+    # Workers sharing one KV pool (--kv-store): each page the request would compute that a peer
+    # holds or is computing, not yet in the pool, costs this more (``policy.py``).
+    duplicate_weight: float = 1.0
+    pool_weight: float = 0.1  # ... and each page it would load from the pool costs this
     pending_ttl_s: float = 30.0  # how long a routed request's pages count before an event
     worker_api_key: str | None = None  # sent on the router's own calls (KV events, snapshots)
     model: str | None = None  # the workers' model (tokenizer + chat template); None: default
@@ -57,7 +61,10 @@ class RouterConfig:
             raise ValueError("a worker URL is given twice")
         for name, v in (("overlap_weight", self.overlap_weight),
                         ("decode_weight", self.decode_weight),
-                        ("evict_weight", self.evict_weight), ("pending_ttl_s", self.pending_ttl_s)):
+                        ("evict_weight", self.evict_weight),
+                        ("duplicate_weight", self.duplicate_weight),
+                        ("pool_weight", self.pool_weight),
+                        ("pending_ttl_s", self.pending_ttl_s)):
             if v < 0:
                 raise ValueError(f"{name} must be >= 0")
         if not (0 <= self.port < 65536):
@@ -94,6 +101,13 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                    help="a conversation's next turn stays on the worker that holds it unless that "
                         "worker has more than this many pages of open work beyond the least "
                         "loaded one (then the kv cost decides; negative: no stickiness)")
+    p.add_argument("--duplicate-weight", type=float, default=d.duplicate_weight,
+                   help="workers sharing a KV pool (--kv-store): kv cost per page the request "
+                        "would compute that another of them holds or is computing and has not "
+                        "written to the pool yet (pages already there count as hits)")
+    p.add_argument("--pool-weight", type=float, default=d.pool_weight,
+                   help="workers sharing a KV pool: kv cost per page the request would load "
+                        "from the pool instead of computing it (a computed page costs 1)")
     p.add_argument("--pending-ttl", type=float, default=d.pending_ttl_s,
                    help="seconds a routed request's pages count as on its worker before the "
                         "worker's KV events confirm them")
@@ -120,6 +134,7 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
                         decode_workers=args.decode_worker, policy=args.policy,
                         overlap_weight=args.overlap_weight, decode_weight=args.decode_weight,
                         evict_weight=args.evict_weight, stick_gap=args.stick_gap,
+                        duplicate_weight=args.duplicate_weight, pool_weight=args.pool_weight,
                         pending_ttl_s=args.pending_ttl,
                         worker_api_key=args.worker_api_key or None, model=args.model,
                         chat_template=read_chat_template(args.chat_template), host=args.host,

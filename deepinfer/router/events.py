@@ -25,7 +25,7 @@ async def sync(client: httpx.AsyncClient, pool: WorkerPool, w: Worker) -> None:
     snap = r.json()
     pool.index.reset(w.url, snap["pages"])
     w.seq, w.model_identity, w.page_size = snap["seq"], snap["model_identity"], snap["page_size"]
-    w.cache_pages = snap["cache_pages"]
+    w.cache_pages, w.pool_id = snap["cache_pages"], snap["pool_id"]
     w.synced = True
 
 

@@ -10,6 +10,10 @@ cache_aware inserts on route the same way): the next turn of that conversation, 
 concurrent request sharing its prefix, counts them before any event says so. A pending page
 lasts until an event about it (stored: now held; removed: evicted), the worker's index is
 reset or dropped, the request fails, or ``pending_ttl_s`` passes.
+
+Workers that share one KV pool (``--kv-store``) report the pages they wrote there as their L3
+("disk") tier, so the index also tells which pages any of them can load from the pool
+(``pooled``) and which a peer has computed or is computing but not yet written (``coming``).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from ..kv.radix import TIER_NAMES
 
 _TIER = {name: i for i, name in enumerate(TIER_NAMES)}
 _DEVICE = 1 << _TIER["device"]
+_DISK = 1 << _TIER["disk"]
 
 
 @dataclass
@@ -32,6 +37,7 @@ class Overlap:
     pages: int = 0
     by_tier: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIER_NAMES, 0))
     pending: int = 0
+    pooled: int = 0  # the next pages after ``pages``, in the worker's shared pool (it loads them)
 
 
 class PrefixIndex:
@@ -113,6 +119,27 @@ class PrefixIndex:
                 break
             out.pages += 1
         return out
+
+    def pooled(self, peers: Sequence[str], hashes: Sequence[bytes], start: int) -> int:
+        """How many pages of ``hashes`` from ``start`` on some of ``peers`` (workers sharing
+        one pool) hold in L3, i.e. wrote to the pool: a run, as a load stops at a hole."""
+        held = [self._held.get(p, {}) for p in peers]
+        n = start
+        while n < len(hashes) and any(h.get(hashes[n], 0) & _DISK for h in held):
+            n += 1
+        return n - start
+
+    def coming(self, peers: Sequence[str], hashes: Sequence[bytes], start: int) -> int:
+        """How many pages of ``hashes`` from ``start`` some of ``peers`` hold or have pending
+        (in a run): pages a peer computed or is computing, so its pool will hold them."""
+        now = self._clock()
+        held = [self._held.get(p, {}) for p in peers]
+        pending = [self._pending.get(p, {}) for p in peers]
+        n = start
+        while n < len(hashes) and (any(hashes[n] in h for h in held)
+                                   or any(q.get(hashes[n], 0.0) > now for q in pending)):
+            n += 1
+        return n - start
 
     def num_pages(self, worker: str) -> int:
         return len(self._held.get(worker, {}))

@@ -18,11 +18,25 @@ worker its previous turn went to, while that worker still holds more of the prom
 other and has at most ``stick_gap`` pages more open work than the least loaded candidate: the
 cost sees one turn's recompute, not the dead copy a move leaves behind. ``least_load`` uses the
 load alone (a PD decode worker too).
+
+Workers sharing one KV pool (the same ``--kv-store``, from their snapshots) make the cluster's
+copy of a prefix count once. A page the pool holds (a peer wrote it: the peer's L3 events) is a
+hit on every peer, which loads it instead of computing it (``pool_weight`` of a prefilled page
+each: a load is cheap, not free). A page a peer holds or is computing
+but has not written yet would be computed a second time, though the pool will hold it soon: it
+costs ``duplicate_weight`` more, so the first requests of a new shared prefix (a system prompt,
+tool specs) gather where it is being computed, which waits for it rather than computing it
+again (the scheduler's rule), and later ones, spread by load, load it from the pool. Without a
+shared pool each worker needs its own copy to serve the prefix at all, so that price is the
+plain prefill the cost above already counts: the cost is then exactly the one above. Nor does
+stickiness hold a conversation that another candidate can load from the pool: a move there
+computes nothing again, and the copy it leaves behind is in the pool as well.
 """
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from .conversations import Conversations
@@ -41,7 +55,7 @@ class Choice:
 
     @property
     def predicted_hit_tokens(self) -> int:
-        return self.overlap.pages * (self.page_size or 0)
+        return (self.overlap.pages + self.overlap.pooled) * (self.page_size or 0)
 
     @property
     def pending_hit_tokens(self) -> int:
@@ -54,6 +68,8 @@ class CostWeights:
     decode_weight: float = 1.0  # pages-worth of work per request decoding there
     evict_weight: float = 1.0  # per cached page the request would push out of the worker's L1
     stick_gap: float = 16.0  # pages of open work over the least loaded's that end stickiness
+    duplicate_weight: float = 1.0  # per page it computes that a pool peer has (not yet pooled)
+    pool_weight: float = 0.1  # per page it loads from the shared pool (a prefilled page: 1)
 
 
 def busy(load: Load, weights: CostWeights) -> float:
@@ -66,12 +82,20 @@ def overflow(adds: int, free: int) -> int:
     return max(0, adds - max(0, free))
 
 
-def kv_cost(to_prefill: int, load: Load, weights: CostWeights, evicts: int = 0
-            ) -> tuple[float, float]:
+def kv_cost(to_prefill: int, load: Load, weights: CostWeights, evicts: int = 0,
+            duplicates: int = 0, pooled: int = 0) -> tuple[float, float]:
     """(cost, tie-break) of a worker that would prefill ``to_prefill`` pages under ``load``,
-    pushing ``evicts`` cached pages out."""
+    pushing ``evicts`` cached pages out, ``duplicates`` of its pages a pool peer's too, and
+    load ``pooled`` pages from the shared pool."""
     b = busy(load, weights)
-    return weights.overlap_weight * to_prefill + weights.evict_weight * evicts + b, b
+    return (weights.overlap_weight * to_prefill + weights.evict_weight * evicts
+            + weights.duplicate_weight * duplicates + weights.pool_weight * pooled + b, b)
+
+
+def pool_peers(workers: list[Worker]) -> dict[str, list[str]]:
+    """Per worker, the URLs of the others sharing its KV pool (none without one)."""
+    return {w.url: [v.url for v in workers if v is not w and w.pool_id is not None
+                    and v.pool_id == w.pool_id] for w in workers}
 
 
 class Policy:
@@ -83,10 +107,22 @@ class Policy:
         self.conversations = conversations or Conversations()
         self._turn = itertools.count()
 
-    def overlap(self, w: Worker, prompt: RoutedPrompt) -> Overlap:
+    def overlap(self, w: Worker, prompt: RoutedPrompt, peers: Sequence[str] = ()) -> Overlap:
+        """``w``'s leading pages of ``prompt``, then those its pool ``peers`` wrote there."""
         if not w.synced or w.model_identity is None or w.page_size is None:
             return Overlap()
-        return self.index.overlap(w.url, prompt.page_hashes(w.model_identity, w.page_size))
+        hashes = prompt.page_hashes(w.model_identity, w.page_size)
+        out = self.index.overlap(w.url, hashes)
+        out.pooled = self.index.pooled(peers, hashes, out.pages)
+        return out
+
+    def duplicates(self, w: Worker, prompt: RoutedPrompt, hit: Overlap,
+                   peers: Sequence[str]) -> int:
+        """Pages ``w`` would compute that its pool ``peers`` hold or are computing."""
+        if not peers or w.model_identity is None or w.page_size is None:
+            return 0
+        hashes = prompt.page_hashes(w.model_identity, w.page_size)
+        return self.index.coming(peers, hashes, hit.pages + hit.pooled)
 
     def free_pages(self, w: Worker) -> int | None:
         """Device pages neither held nor pending on ``w`` (None: its pool size is not known)."""
@@ -94,11 +130,13 @@ class Policy:
             return None
         return w.cache_pages - self.index.device_pages(w.url) - self.index.num_pending(w.url)
 
-    def cost(self, w: Worker, prompt: RoutedPrompt, hit: Overlap) -> tuple[float, float]:
+    def cost(self, w: Worker, prompt: RoutedPrompt, hit: Overlap, peers: Sequence[str] = ()
+             ) -> tuple[float, float]:
         free = self.free_pages(w)
-        adds = prompt.pages(w.page_size) - hit.pages
-        return kv_cost(prompt.prompt_pages(w.page_size) - hit.pages, w.load, self.weights,
-                       0 if free is None else overflow(adds, free))
+        adds = prompt.pages(w.page_size) - hit.pages  # pooled pages land in its L1 too
+        return kv_cost(prompt.prompt_pages(w.page_size) - hit.pages - hit.pooled, w.load,
+                       self.weights, 0 if free is None else overflow(adds, free),
+                       self.duplicates(w, prompt, hit, peers), hit.pooled)
 
     def _holds_conversation(self, w: Worker, prompt: RoutedPrompt) -> bool:
         if not w.synced or w.model_identity is None or w.page_size is None:
@@ -117,8 +155,9 @@ class Policy:
         others = [w for w in workers if w is not home]
         if not others:
             return home
-        if overlaps[home.url].pages <= max(overlaps[w.url].pages for w in others):
-            return None  # its private pages are gone (evicted): nothing to stay for
+        if overlaps[home.url].pages <= max(overlaps[w.url].pages + overlaps[w.url].pooled
+                                           for w in others):
+            return None  # its pages are gone (evicted) or in the pool: nothing to stay for
         gap = busy(home.load, self.weights) - min(busy(w.load, self.weights) for w in others)
         return home if gap <= self.weights.stick_gap else None
 
@@ -128,13 +167,14 @@ class Policy:
         assert workers
         turn = next(self._turn)
         order = workers[turn % len(workers):] + workers[: turn % len(workers)]
-        overlaps = {w.url: self.overlap(w, prompt) for w in workers}
+        peers = pool_peers(workers) if use_cache else {}
+        overlaps = {w.url: self.overlap(w, prompt, peers.get(w.url, [])) for w in workers}
         if self.name == "round_robin":
             best = order[0]
         elif self.name == "least_load" or not use_cache:
             best = min(order, key=lambda w: (busy(w.load, self.weights), w.active_pages))
         else:
-            costs = {w.url: self.cost(w, prompt, overlaps[w.url]) for w in order}
+            costs = {w.url: self.cost(w, prompt, overlaps[w.url], peers[w.url]) for w in order}
             home = self.sticky(workers, prompt, overlaps)
             best = home or min(order, key=lambda w: (costs[w.url][0], -overlaps[w.url].pages,
                                                      costs[w.url][1]))

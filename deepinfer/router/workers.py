@@ -57,6 +57,7 @@ class Worker:
     model_identity: str | None = None  # from its snapshot: the root of its page hashes
     page_size: int | None = None
     cache_pages: int | None = None  # from its snapshot: the pages its device pool can hold
+    pool_id: str | None = None  # from its snapshot: the shared KV pool it uses (None: none)
 
     @property
     def load(self) -> Load:

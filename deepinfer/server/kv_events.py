@@ -12,12 +12,15 @@ Endpoints: ``GET /kv/events?since=N&wait=S`` (long poll: answers as soon as ther
 event after N, or after S seconds with none) and ``GET /kv/snapshot`` (every page held, per
 tier, the sequence number it is current to, what a router needs to hash prompts the same way:
 the model identity and the page size, and ``cache_pages``, how many pages the device pool
-holds, so a router can tell from the device events how full it is).
+holds, so a router can tell from the device events how full it is; ``pool_id``, a digest of
+its ``--kv-store`` URL, None without one: workers with the same id share one KV pool, whose
+pages they report as their L3 tier, so a router counts those pages as loadable by all of them).
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import itertools
 import threading
 import time
@@ -105,7 +108,12 @@ def _snapshot(aeng: AsyncEngine, log: KVEventLog) -> dict:
         by_tier[TIER_NAMES[t]].append(h.hex())
     return {"seq": log.seq, "page_size": kv.page_size, "model_identity": kv.model_identity,
             "cache_pages": kv.allocator.num_pages - 1,  # page 0 is padding, never handed out
-            "pages": by_tier}
+            "pool_id": pool_id(aeng.engine.config.kv_store), "pages": by_tier}
+
+
+def pool_id(kv_store: str | None) -> str | None:
+    """Who shares a KV pool, without telling the store's address (it may hold a password)."""
+    return None if kv_store is None else hashlib.sha256(kv_store.encode()).hexdigest()[:16]
 
 
 def add_kv_event_routes(app: FastAPI, aeng: AsyncEngine, log: KVEventLog | None) -> None:
