@@ -7,8 +7,8 @@ a masked attention, matmuls with B rows instead of one), and both grow with the 
 profile taken on an empty context is flat and under-prices verification, so the profile is
 measured lazily, once per context bucket (powers of 4), on the first decoding request that
 reaches it: its own pages and context, B = 1 as a decode, B > 1 as a span of dummy tokens
-past its last token. Those positions lie beyond ``num_computed_tokens``, so their KV is
-overwritten later, exactly as a rejected draft's is. After that, the steps of one decoding
+past its last token. Those positions lie beyond ``num_computed_tokens``, so they are
+rolled back like a rejected draft's (their pages freed, their KV overwritten later). After that, the steps of one decoding
 request refine their bucket's profile with their own times (``SpsProfile.observe``).
 """
 
@@ -56,6 +56,7 @@ class SpsByContext:
             if not self.kv.allocate(req, self.sizes[-1]):
                 return None
             self.profiles[bucket] = self._measure(req)
+            self.kv.rollback(req, 1)  # back to this step's decode token
         return self.profiles[bucket]
 
     def observe(self, req: Request, b: int, seconds: float) -> None:

@@ -51,8 +51,8 @@ def build_decoder(config: EngineConfig, ckpt: Checkpoint, runner: ModelRunner, k
 
 def emit_verified(verified: list[tuple[Request, list[int]]], kv: KVCacheManager,
                   check_stop: Callable[[Request], None], now: float) -> list[Request]:
-    """Append each request's verified tokens up to the one that stops it; returns the
-    requests (finished ones with ``finish_time`` set)."""
+    """Append each request's verified tokens up to the one that stops it and free the pages
+    its rejected tokens took; returns the requests (finished ones with ``finish_time`` set)."""
     out = []
     for req, tokens in verified:
         for i, tok in enumerate(tokens):
@@ -66,5 +66,6 @@ def emit_verified(verified: list[tuple[Request, list[int]]], kv: KVCacheManager,
             if req.is_finished:
                 req.finish_time = now
                 break
+        kv.rollback(req)  # the rejected tokens' pages (and ring pages) go back at once
         out.append(req)
     return out
