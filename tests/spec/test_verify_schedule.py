@@ -112,3 +112,15 @@ def test_profile_follows_the_step_times_it_observes():
     for _ in range(SpsProfile.RECENT):
         p.observe(2, 0.040)  # the old times leave the window
     assert p(2) == pytest.approx(1 / 0.040) and p(5) == pytest.approx(1 / 0.050)
+
+
+def test_an_observed_larger_step_bounds_the_sizes_no_step_has_run():
+    p = SpsProfile([1, 2, 5, 9], [100.0, 40.0, 38.0, 35.0])  # start-up: 10, 25, 26.3, 28.6 ms
+    for t in (0.014, 0.015, 0.016):  # 9-token steps run at 15 ms: 2 and 5 were over-priced
+        p.observe(9, t)
+    assert p(9) == pytest.approx(1 / 0.015)
+    assert p(2) == pytest.approx(1 / 0.015) and p(5) == pytest.approx(1 / 0.015)
+    assert p(1) == pytest.approx(100.0)  # below the bound: as measured
+    for t in (0.012, 0.012, 0.012):  # then the 2-token steps run: their own median holds
+        p.observe(2, t)
+    assert p(2) == pytest.approx(1 / 0.012) and p(5) == pytest.approx(1 / 0.015)
