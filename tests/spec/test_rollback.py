@@ -4,8 +4,11 @@ and the pool's accounting stays exact."""
 
 from deepinfer.kv.cache_manager import KVCacheManager
 from deepinfer.kv.pool import PageAllocator
+from deepinfer.kv.radix import DEVICE
+from deepinfer.llm import LLM
 from deepinfer.request import Request
 from deepinfer.sampling_params import SamplingParams
+from deepinfer.spec.config import SpeculativeConfig
 
 PS = 4
 
@@ -39,7 +42,7 @@ def test_rollback_frees_rejected_pages_and_keeps_the_tree_exact():
     assert m.num_pages == 3 and list(m.last.tokens)[-PS:] == [18, 19, 20, 21]
     assert kv.rollback(req) == 0  # nothing more to give back
     kv.release(req)
-    assert kv.num_free_pages + kv.tree.pages_in_tier[0] == total  # every page accounted for
+    assert kv.num_free_pages + kv.tree.pages_in_tier[DEVICE] == total  # every page accounted for
 
 
 def test_rollback_keeps_the_pages_of_the_steps_own_tokens():
@@ -52,3 +55,29 @@ def test_rollback_keeps_the_pages_of_the_steps_own_tokens():
     req.num_computed_tokens += 1  # the decode ran
     kv.cache_pages(req)
     assert kv.rollback(req) == 0 and req.num_tree_pages == 2  # a tree page stays the tree's
+
+
+def test_speculating_engine_holds_exactly_its_tokens_pages_after_every_step(tiny_llama):
+    """Scheduled speculation with a measured SPS profile (whose dummy spans take pages too) and
+    fixed-k speculation: after every step each running request holds the pages of its computed
+    tokens and no more, and the pool gets every page back when the requests end."""
+    prompt = list(range(40, 60)) * 2  # a repeated run: prompt lookup drafts from the start
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    for spec in (SpeculativeConfig(method="ngram", num_tokens=4),
+                 SpeculativeConfig(method="ngram", num_tokens=4, scheduled=False)):
+        llm = LLM(str(tiny_llama), page_size=PS, num_pages=64, progress=False, threads=1,
+                  enable_disk_cache=False, dtype="float32", speculative_config=spec)
+        engine = llm.engine
+        free = engine.kv.num_free_pages
+        reqs = [engine.add_request(prompt, params), engine.add_request(prompt[5:], params)]
+        while engine.has_unfinished():
+            engine.step()
+            for r in engine.scheduler.running:
+                assert len(r.pages) == -(-r.num_computed_tokens // PS)
+        assert all(len(r.output_token_ids) == 30 for r in reqs)
+        assert engine.kv.num_free_pages + engine.kv.tree.pages_in_tier[DEVICE] == free
+        if spec.scheduled:  # (what its plan verifies depends on the machine's speed)
+            assert engine.spec.sps.profiles  # measured on a running request
+        else:
+            assert all(0 < r.spec.accepted < r.spec.verified for r in reqs)
+        engine.shutdown()
