@@ -14,7 +14,6 @@ request refine their bucket's profile with their own times (``SpsProfile.observe
 
 from __future__ import annotations
 
-import statistics
 import time
 
 import torch
@@ -67,13 +66,16 @@ class SpsByContext:
             prof.observe(b, seconds)
 
     def _measure(self, req: Request) -> SpsProfile:
-        """Each size's time relative to the 1-token step of the same round, the median ratio
+        """Each size's time relative to the 1-token step of the same round, the lowest ratio
         over ``repeats`` rounds (after one warm-up round), times the best 1-token time: a size
-        is compared with a step taken moments apart, so a burst of load on a shared machine
-        slows both sides of one ratio rather than misprice a size for good."""
+        is compared with a step taken moments apart, and the lowest ratio is kept because the
+        two errors differ. A size priced too high is never picked, so no step corrects it (a
+        burst of load once priced every span of 3 or more tokens at 2.2x a decode for good),
+        while one priced too low is picked and its observed steps correct it
+        (``SpsProfile.observe``)."""
         rounds = [[self._time(req, b) for b in self.sizes] for _ in range(self.repeats + 1)][1:]
         one = min(r[0] for r in rounds)
-        sparse = SpsProfile(self.sizes, [1.0 / (one * statistics.median(r[i] / r[0] for r in rounds))
+        sparse = SpsProfile(self.sizes, [1.0 / (one * min(r[i] / r[0] for r in rounds))
                                          for i in range(len(self.sizes))])
         # every step size up to DENSE gets its own point (interpolated for now), so each size
         # a plan picks is refined by the steps that run it
