@@ -201,6 +201,19 @@ class KVCacheManager(TierLoads):
         req.pages += self.allocator.alloc(need)
         return True
 
+    def rollback(self, req: Request, num_new_tokens: int = 0) -> int:
+        """Free ``req``'s pages past its computed tokens plus ``num_new_tokens`` (KV written
+        beyond what the request kept: rejected draft tokens, an SPS profile's dummy span), so it
+        holds the pages a plain step would leave it. The tree's pages are never touched (they
+        end at the computed tokens). Returns the pages freed."""
+        keep = max(req.num_tree_pages,
+                   -(-(req.num_computed_tokens + num_new_tokens) // self.page_size))
+        extra = req.pages[keep:]
+        if extra:
+            del req.pages[keep:]
+            self.allocator.free(extra)
+        return len(extra)
+
     def ensure_free(self, n: int) -> bool:
         short = n - self.allocator.num_free
         if short > 0 and self.tree is not None:

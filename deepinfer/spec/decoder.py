@@ -4,8 +4,9 @@ The engine hands it a scheduled batch. Decoding requests get a draft from the so
 verifies all of it, scheduled mode asks Algorithm 1 (``verify_schedule.py``) with calibrated
 survival probabilities. The drafts are appended to their requests' tokens only for the forward
 (the runner reads tokens from the request) and removed right after, so nothing else ever sees
-a draft token: the engine appends the accepted ones, and the KV cache manager caches pages
-only up to the accepted length (rejected tokens' KV sits beyond it and is overwritten later).
+a draft token: the engine appends the accepted ones, the KV cache manager caches pages only
+up to the accepted length, and the pages (and ring pages) that only rejected tokens' KV took
+go back to their pools in the same step (``KVCacheManager.rollback``).
 """
 
 from __future__ import annotations
@@ -110,6 +111,10 @@ class SpeculativeDecoder:
             if self.sps is not None and len(run) == 1 and items[0][1] == 1:  # one decoding request
                 sync(self.runner.device)
                 self.sps.observe(run[0][0], run[0][1], time.perf_counter() - t0)
+        except Exception:
+            for r in drafts:  # the engine runs the batch plain: one token each
+                self.kv.rollback(r, 1)
+            raise
         finally:
             for r, d in drafts.items():
                 del r.output_token_ids[-len(d.tokens):]

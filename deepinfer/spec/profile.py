@@ -7,14 +7,13 @@ a masked attention, matmuls with B rows instead of one), and both grow with the 
 profile taken on an empty context is flat and under-prices verification, so the profile is
 measured lazily, once per context bucket (powers of 4), on the first decoding request that
 reaches it: its own pages and context, B = 1 as a decode, B > 1 as a span of dummy tokens
-past its last token. Those positions lie beyond ``num_computed_tokens``, so their KV is
-overwritten later, exactly as a rejected draft's is. After that, the steps of one decoding
+past its last token. Those positions lie beyond ``num_computed_tokens``, so they are
+rolled back like a rejected draft's (their pages freed, their KV overwritten later). After that, the steps of one decoding
 request refine their bucket's profile with their own times (``SpsProfile.observe``).
 """
 
 from __future__ import annotations
 
-import statistics
 import time
 
 import torch
@@ -56,6 +55,7 @@ class SpsByContext:
             if not self.kv.allocate(req, self.sizes[-1]):
                 return None
             self.profiles[bucket] = self._measure(req)
+            self.kv.rollback(req, 1)  # back to this step's decode token
         return self.profiles[bucket]
 
     def observe(self, req: Request, b: int, seconds: float) -> None:
@@ -66,13 +66,16 @@ class SpsByContext:
             prof.observe(b, seconds)
 
     def _measure(self, req: Request) -> SpsProfile:
-        """Each size's time relative to the 1-token step of the same round, the median ratio
+        """Each size's time relative to the 1-token step of the same round, the lowest ratio
         over ``repeats`` rounds (after one warm-up round), times the best 1-token time: a size
-        is compared with a step taken moments apart, so a burst of load on a shared machine
-        slows both sides of one ratio rather than misprice a size for good."""
+        is compared with a step taken moments apart, and the lowest ratio is kept because the
+        two errors differ. A size priced too high is never picked, so no step corrects it (a
+        burst of load once priced every span of 3 or more tokens at 2.2x a decode for good),
+        while one priced too low is picked and its observed steps correct it
+        (``SpsProfile.observe``)."""
         rounds = [[self._time(req, b) for b in self.sizes] for _ in range(self.repeats + 1)][1:]
         one = min(r[0] for r in rounds)
-        sparse = SpsProfile(self.sizes, [1.0 / (one * statistics.median(r[i] / r[0] for r in rounds))
+        sparse = SpsProfile(self.sizes, [1.0 / (one * min(r[i] / r[0] for r in rounds))
                                          for i in range(len(self.sizes))])
         # every step size up to DENSE gets its own point (interpolated for now), so each size
         # a plan picks is refined by the steps that run it

@@ -13,6 +13,7 @@ from ..model_runner import ModelRunner
 from ..request import Request
 from .auto_drafter import AutoDrafter
 from .calibration import Calibrator
+from .config import SpeculativeConfig
 from .decoder import SpeculativeDecoder
 from .draft_model import build_draft_model
 from .drafters import DraftSource, NgramDrafter, SuffixDrafter, TokenDrafter
@@ -28,18 +29,10 @@ def build_decoder(config: EngineConfig, ckpt: Checkpoint, runner: ModelRunner, k
     assert sc is not None and sc.method != "none"
     calibrator = Calibrator(sc.calibration_window)
     source: DraftSource
-    drafts_from: list[str] | None = None
     if sc.method == "draft_model":
-        source = build_draft_model(sc, config, ckpt, runner, max_model_len)
-    elif sc.method == "suffix":
-        source = SuffixDrafter(sc.ngram_min, sc.ngram_max)
-    elif sc.method == "auto":
-        parts: list[TokenDrafter] = [NgramDrafter(sc.ngram_min, sc.ngram_max),
-                                     SuffixDrafter(sc.ngram_min, sc.ngram_max)]
-        source = AutoDrafter(parts, calibrator)
-        drafts_from = [p.name for p in parts]  # the drafts carry their own source's name
+        source, drafts_from = build_draft_model(sc, config, ckpt, runner, max_model_len), None
     else:
-        source = NgramDrafter(sc.ngram_min, sc.ngram_max)
+        source, drafts_from = weight_free_source(sc, calibrator)
     sps = None
     if sc.scheduled:
         fixed = (None if sc.sps_tokens is None else
@@ -49,10 +42,23 @@ def build_decoder(config: EngineConfig, ckpt: Checkpoint, runner: ModelRunner, k
                               max_model_len, sps)
 
 
+def weight_free_source(sc: SpeculativeConfig, calibrator: Calibrator
+                       ) -> tuple[TokenDrafter, list[str] | None]:
+    """The draft source of a weight-free method, and (``auto``) the sources its drafts name."""
+    if sc.method == "suffix":
+        return SuffixDrafter(sc.ngram_min, sc.ngram_max), None
+    if sc.method == "auto":
+        parts: list[TokenDrafter] = [NgramDrafter(sc.ngram_min, sc.ngram_max),
+                                     SuffixDrafter(sc.ngram_min, sc.ngram_max)]
+        return AutoDrafter(parts, calibrator), [p.name for p in parts]  # drafts carry their own name
+    assert sc.method == "ngram"
+    return NgramDrafter(sc.ngram_min, sc.ngram_max), None
+
+
 def emit_verified(verified: list[tuple[Request, list[int]]], kv: KVCacheManager,
                   check_stop: Callable[[Request], None], now: float) -> list[Request]:
-    """Append each request's verified tokens up to the one that stops it; returns the
-    requests (finished ones with ``finish_time`` set)."""
+    """Append each request's verified tokens up to the one that stops it and free the pages
+    its rejected tokens took; returns the requests (finished ones with ``finish_time`` set)."""
     out = []
     for req, tokens in verified:
         for i, tok in enumerate(tokens):
@@ -66,5 +72,6 @@ def emit_verified(verified: list[tuple[Request, list[int]]], kv: KVCacheManager,
             if req.is_finished:
                 req.finish_time = now
                 break
+        kv.rollback(req)  # the rejected tokens' pages (and ring pages) go back at once
         out.append(req)
     return out

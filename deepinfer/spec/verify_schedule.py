@@ -3,8 +3,8 @@
 
 SPS(B) is verify steps per second when the batch holds B tokens; the expected accepted tokens
 per step are tau = R + sum of a_{r,j} over the verified pairs (every request emits at least
-one token), so throughput is Theta = tau * SPS(B). Pairs are taken in descending a_{r,j} and
-the prefix with the highest Theta is verified.
+one token), so throughput is Theta = tau * SPS(B). Pairs are taken in descending a_{r,j}
+while each raises Theta (DSpark's walk, exactly).
 """
 
 from __future__ import annotations
@@ -25,7 +25,10 @@ class SpsProfile:
     (``observe``): a point with ``MIN_OBSERVED`` recent step times takes their median, and the
     others move with the 1-token point's drift, so the curve follows the load the steps really
     run under instead of one start-up snapshot (on a shared CPU that snapshot priced the first
-    span token at +50% where the steps beside it ran at +16%)."""
+    span token at +50% where the steps beside it ran at +16%). An unobserved point is also
+    priced at no more than an observed point with more tokens: the scheduler never picks a
+    size it over-prices, so without that bound no step would ever correct it, while an
+    under-priced size is picked, observed and corrected within ``MIN_OBSERVED`` steps."""
 
     RECENT = 16  # step times kept per point
     MIN_OBSERVED = 3
@@ -50,6 +53,12 @@ class SpsProfile:
         seen = [statistics.median(r) if len(r) >= self.MIN_OBSERVED else None for r in self.recent]
         drift = 1.0 if seen[0] is None else seen[0] / self.measured[0]
         points = [m * drift if s is None else s for m, s in zip(self.measured, seen)]
+        cap = float("inf")  # the cheapest observed step at this size or more
+        for i in reversed(range(len(points))):
+            if seen[i] is None:
+                points[i] = min(points[i], cap)
+            else:
+                cap = min(cap, points[i])
         self.seconds = list(itertools.accumulate(points, max))
 
     def __call__(self, b: int) -> float:
@@ -66,27 +75,29 @@ def plan_verify(survival: list[list[float]], sps: Callable[[int], float],
     """Algorithm 1: per request, how many leading draft tokens to verify.
 
     ``survival[r][j]`` is a_{r,j+1}; ``base_tokens`` counts the step's other tokens (prefill
-    chunks), which the verify step's cost includes. The pairs are walked in descending a, as in
-    DSpark, but the walk keeps the best prefix instead of stopping at the first pair that does
-    not raise Theta: on a CPU the first draft token moves a request from the decode path to a
-    verify span, a jump in step time that later tokens do not repeat, so Theta can dip and rise
-    again. For a given B the best pairs are the B most likely ones, so the best prefix is the
-    optimum; its last pair raises Theta, so no verified token has a negative marginal value."""
+    chunks), which the verify step's cost includes. Start at B = R, tau = R, best = R * SPS(B);
+    take the pairs in descending a; for each, B += 1, tau += a, Theta = tau * SPS(B); keep it if
+    Theta > best, else stop at once. So every verified token raised Theta when it was added (no
+    verified token has a negative marginal value), and where step time is convex in B (affine on
+    a CPU, flat then affine on a GPU) Theta is unimodal along the walk, so the stop is the
+    optimum. Walking on past a dip would trust the scheduler's least certain estimates (deep
+    draft positions, priced by the calibration's optimistic prior) to pay for the tokens
+    before them."""
     R = len(survival)
+    counts = [0] * R
     if R == 0:
-        return []
+        return counts
     b, tau = R, float(R)
-    best, best_n = tau * sps(base_tokens + b), 0
+    best = tau * sps(base_tokens + b)
     pairs = sorted(((a, r, j) for r, row in enumerate(survival) for j, a in enumerate(row)),
                    key=lambda p: (-p[0], p[1], p[2]))
     # a_{r,j} never grows with j (a product of confidences <= 1) and ties go earlier first,
     # so each request's verified tokens stay a prefix of its draft
-    for n, (a, _, _) in enumerate(pairs, 1):
+    for a, r, _ in pairs:
         b, tau = b + 1, tau + a
         theta = tau * sps(base_tokens + b)
-        if theta > best:
-            best, best_n = theta, n
-    counts = [0] * R
-    for _, r, _ in pairs[:best_n]:
+        if theta <= best:
+            break
+        best = theta
         counts[r] += 1
     return counts

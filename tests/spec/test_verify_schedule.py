@@ -40,8 +40,9 @@ PROFILES = {
 }
 
 
-@pytest.mark.parametrize("name", list(PROFILES))
+@pytest.mark.parametrize("name", ["affine", "knee", "table"])
 def test_matches_brute_force_optimum(name):
+    """Where step time is convex in B, Theta is unimodal along the walk: its stop is optimal."""
     sps, rng = PROFILES[name], random.Random(0)
     for _ in range(300):
         survival = random_survival(rng, rng.randint(1, 4), 4)
@@ -77,10 +78,32 @@ def test_below_the_profiles_break_even_verifies_nothing_beyond_the_base_token():
     one = [[0.6, 0.06, 0.05, 0.04]]  # every prefix's tau stays below what its step time needs
     assert all(sum(one[0][:n]) + 1 < sps(1) / sps(n + 1) for n in range(1, 5))
     assert plan_verify(one, sps) == [0]
-    # above break-even only as a run: the first token alone loses, all four together win
+    # above break-even only as a run: the first token alone loses, all four together would
+    # win, but Algorithm 1 stops at once at the first pair that does not raise Theta
     run = [[0.65, 0.65, 0.65, 0.65]]
     assert 1.65 < sps(1) / sps(2) and 1 + 4 * 0.65 > sps(1) / sps(5)
-    assert plan_verify(run, sps) == [4]
+    assert plan_verify(run, sps) == [0]
+    assert plan_verify([[0.7, 0.65, 0.65, 0.65]], sps) == [4]  # the first pays: the walk goes on
+
+
+def test_walk_stops_at_the_first_pair_that_does_not_raise_theta():
+    """Each verified pair raised Theta over the pairs before it, the next one would not."""
+    rng = random.Random(2)
+    for name, sps in PROFILES.items():
+        for _ in range(200):
+            survival = random_survival(rng, rng.randint(1, 4), 4)
+            counts = plan_verify(survival, sps)
+            pairs = sorted(((a, r, j) for r, row in enumerate(survival) for j, a in enumerate(row)),
+                           key=lambda p: (-p[0], p[1], p[2]))
+            n = sum(counts)
+            taken = [0] * len(survival)
+            thetas = []
+            for _, r, _ in pairs[: n + 1]:
+                thetas.append(throughput(survival, taken, sps))
+                taken[r] += 1
+            thetas.append(throughput(survival, taken, sps))
+            assert all(x < y for x, y in zip(thetas[:n], thetas[1 : n + 1])), name
+            assert n == len(pairs) or thetas[n + 1] <= thetas[n], name
 
 
 def test_profile_interpolates_step_time():
@@ -112,3 +135,15 @@ def test_profile_follows_the_step_times_it_observes():
     for _ in range(SpsProfile.RECENT):
         p.observe(2, 0.040)  # the old times leave the window
     assert p(2) == pytest.approx(1 / 0.040) and p(5) == pytest.approx(1 / 0.050)
+
+
+def test_an_observed_larger_step_bounds_the_sizes_no_step_has_run():
+    p = SpsProfile([1, 2, 5, 9], [100.0, 40.0, 38.0, 35.0])  # start-up: 10, 25, 26.3, 28.6 ms
+    for t in (0.014, 0.015, 0.016):  # 9-token steps run at 15 ms: 2 and 5 were over-priced
+        p.observe(9, t)
+    assert p(9) == pytest.approx(1 / 0.015)
+    assert p(2) == pytest.approx(1 / 0.015) and p(5) == pytest.approx(1 / 0.015)
+    assert p(1) == pytest.approx(100.0)  # below the bound: as measured
+    for t in (0.012, 0.012, 0.012):  # then the 2-token steps run: their own median holds
+        p.observe(2, t)
+    assert p(2) == pytest.approx(1 / 0.012) and p(5) == pytest.approx(1 / 0.015)

@@ -205,6 +205,15 @@ class WindowKVCacheManager(KVCacheManager):
             self.window.io.write(pages, snap.data)
         return True
 
+    def rollback(self, req: Request, num_new_tokens: int = 0) -> int:
+        """Pages as ``KVCacheManager.rollback``, and the ring back to what the kept positions
+        need: a verify span is at most one chunk, so it never wrapped over the window the
+        kept prefix reads, and the slots it grew hold only positions past that prefix."""
+        freed = super().rollback(req, num_new_tokens)
+        if req.ring is not None:
+            freed += self.rings.shrink(req.ring, req.num_computed_tokens + num_new_tokens)
+        return freed
+
     def fork(self, parent: Request, child: Request) -> list[tuple[int, int]] | None:
         """The parent's pages as ``KVCacheManager.fork`` shares them, and a ring of the child's
         own holding a copy of the parent's window: each sample then writes its own tokens in

@@ -56,6 +56,17 @@ class RingAllocator:
         ring.pages += pages
         return True
 
+    def shrink(self, ring: RingState, num_tokens: int) -> int:
+        """Give back the ring pages past those positions below ``num_tokens`` need (pages a
+        rejected verify span grew the ring by); a full ring stays as it is, since its slots
+        wrap. Returns the pages freed."""
+        keep = min(self.size, cdiv(num_tokens, self.page_size))
+        extra = ring.pages[keep:]
+        if extra:
+            del ring.pages[keep:]
+            self.allocator.free(extra)
+        return len(extra)
+
     def free(self, ring: RingState) -> None:
         self.allocator.free(ring.pages)
         ring.pages = []

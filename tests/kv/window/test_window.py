@@ -16,6 +16,7 @@ from deepinfer.kv.window.snapshots import WindowSnapshot, WindowSnapshotStore
 from deepinfer.llm import LLM
 from deepinfer.request import Request
 from deepinfer.sampling_params import SamplingParams
+from deepinfer.spec.config import SpeculativeConfig
 from tiny_checkpoints import make_checkpoint
 
 GQA = KVSpec.gqa(2, 16)
@@ -69,6 +70,18 @@ def test_ring_allocator_grows_lazily_then_wraps():
     assert rings.page(RingState(pages=[9]), 3) == 0  # a slot never allocated: padding
     rings.free(a)
     assert a.pages == [] and rings.in_use == 5
+
+
+def test_ring_shrink_gives_back_only_pages_past_the_kept_positions():
+    rings = RingAllocator(num_pages=1 + 5, ring_pages=5, page_size=4)
+    ring = RingState()
+    assert rings.ensure(ring, 6) and rings.ensure(ring, 6 + 9)  # a verify span of 9 tokens
+    assert len(ring.pages) == 4
+    kept = ring.pages[:2]
+    assert rings.shrink(ring, 8) == 2 and ring.pages == kept and rings.in_use == 2
+    assert rings.shrink(ring, 8) == 0
+    assert rings.ensure(ring, 1000) and rings.shrink(ring, 30) == 0  # a full ring wraps: kept
+    assert rings.in_use == 5
 
 
 def _pool(window=8, ps=4, chunk=8, seqs=2):
@@ -188,13 +201,16 @@ def tiny_mistral(tmp_path_factory):
 
 @pytest.mark.parametrize("model", ["tiny_gemma3", "tiny_mistral"])
 def test_sliding_memory_stays_at_the_ring_in_a_long_generation(model, request):
-    """Two sequences generate 120 tokens: each holds at most one ring of sliding-layer pages
-    (R = ceil((W - 1 + chunk) / page_size) + 1 = 5) while its full-attention pages grow with it;
-    the tokens equal those of the old layout, which pages every layer for every token."""
+    """Two sequences generate 120 tokens with speculation on: each holds at most one ring of
+    sliding-layer pages (R = ceil((W - 1 + chunk) / page_size) + 1 = 5) while its
+    full-attention pages grow with it, after every step exactly those of its computed tokens
+    (a verify span's pages for rejected tokens go back at once); the tokens equal those of the
+    old layout, which pages every layer for every token."""
     path = request.getfixturevalue(model)
+    # fixed k: every draft is verified, whatever the machine's speed (a scheduled plan is not)
+    spec = SpeculativeConfig(method="ngram", num_tokens=4, scheduled=False)
     kw = dict(page_size=4, num_pages=256, max_num_batched_tokens=64, max_num_seqs=2,
-              progress=False, enable_disk_cache=False,
-              speculative_config=None)  # one token a step: the page counts below are exact
+              progress=False, enable_disk_cache=False, speculative_config=spec)
     llm = LLM(str(path), **kw)
     engine = llm.engine
     rings = engine.runner.window.rings
@@ -208,10 +224,11 @@ def test_sliding_memory_stays_at_the_ring_in_a_long_generation(model, request):
         peak_ring = max(peak_ring, rings.in_use)
         assert rings.in_use <= len(running) * rings.size
         for r in running:
-            assert len(r.ring.pages) <= rings.size  # sliding group: one ring
+            assert len(r.ring.pages) == min(rings.size, -(-r.num_computed_tokens // 4))  # one ring
             assert len(r.pages) == -(-r.num_computed_tokens // 4)  # full group: every token
             peak_full = max(peak_full, len(r.pages))
     assert peak_ring == 2 * rings.size and rings.in_use == 0
+    assert all(0 < r.spec.accepted < r.spec.verified for r in reqs)  # drafts kept and rejected
     assert peak_full == -(-(20 + 119) // 4)
     full_group = engine.runner.pool.owned_buffers()
     assert bool(full_group) == (model == "tiny_gemma3")  # Mistral: every layer slides
