@@ -10,6 +10,9 @@ its XXH3-128 tag over header and payload matches. A file it refuses (damaged, an
 older header variant, gone) is read again by ``read_into``, which classifies, counts and
 quarantines it as ever: the fast path can only accept what the precise one would.
 
+``open_layers`` gives the op's ``LayerReads``: the same files and checks, each payload read a
+layer group at a time (``layer_stream.py``'s native stream).
+
 Only for XXH3-tagged stores (no secret: keyed BLAKE2 stays in Python) and where the op built and
 found xxHash's symbols in the library the ``xxhash`` package loads; ``BatchReads.make`` is the one
 check, None elsewhere (the caller keeps its per-page path).
@@ -81,18 +84,37 @@ class BatchReads:
             i += 1
         return i
 
+    def open_layers(self, keys: Sequence[str], ids: Sequence[PageId]) -> tuple[torch.ScriptObject, list[int]]:
+        """The op's ``LayerReads`` over files ``keys`` (holding pages ``ids``): their payloads
+        read in pieces (``layer_stream.py``); and the files' sizes, for ``count_hits``."""
+        heads = self._heads(keys, ids)
+        reads = torch.classes.deepinfer_kv_reads.LayerReads(
+            [self.store.file_path(k) for k in keys], *self._packed(heads), self.payload_len)
+        return reads, [len(h) + self.payload_len + self.tag_len for h in heads]
+
+    def count_hits(self, keys: Sequence[str], sizes: Sequence[int]) -> None:
+        """Count files the op read and checked (``sizes`` bytes each) as the store's hits."""
+        self.store.count_hits(list(zip(keys, sizes)), self.payload_len)
+
+    def _heads(self, keys: Sequence[str], ids: Sequence[PageId | None]) -> list[bytes]:
+        """The headers the store writes for these pages."""
+        return [self.store.format.head(k, self.payload_len, self.token_count, p) for k, p in zip(keys, ids)]
+
+    @staticmethod
+    def _packed(heads: list[bytes]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Headers concatenated (uint8) and their offsets, as the op takes them."""
+        offsets = [0]
+        for h in heads:
+            offsets.append(offsets[-1] + len(h))
+        return torch.frombuffer(bytearray(b"".join(heads)) or bytearray(1), dtype=torch.uint8), torch.tensor(offsets)
+
     def _native(self, keys: Sequence[str], ids: Sequence[PageId | None], buffers: list[torch.Tensor],
                 pages: Sequence[int]) -> int:
         if not keys:
             return 0
-        store = self.store
-        heads = [store.format.head(k, self.payload_len, self.token_count, p) for k, p in zip(keys, ids)]
-        offsets = [0]
-        for h in heads:
-            offsets.append(offsets[-1] + len(h))
+        heads = self._heads(keys, ids)
         n = torch.ops.deepinfer_kv_reads.read_pages(
-            [store.file_path(k) for k in keys], torch.frombuffer(bytearray(b"".join(heads)), dtype=torch.uint8),
-            torch.tensor(offsets), buffers, torch.tensor(list(pages)), store.touch_on_hit)
-        store.count_hits([(k, len(h) + self.payload_len + self.tag_len) for k, h in zip(keys[:n], heads)],
-                         self.payload_len)
+            [self.store.file_path(k) for k in keys], *self._packed(heads), buffers, torch.tensor(list(pages)),
+            self.store.touch_on_hit)
+        self.count_hits(keys[:n], [len(h) + self.payload_len + self.tag_len for h in heads[:n]])
         return n

@@ -20,9 +20,11 @@ import math
 import os
 import threading
 from collections.abc import Callable
+from concurrent.futures import Executor, wait
 
 import torch
 
+from .batch_reads import BatchReads
 from .codecs import Codec
 from .disk_file import BadFile, PageFormat, PageId, TagHasher, tag_nbytes
 from .disk_store import DiskStore
@@ -50,14 +52,20 @@ class LayerLoads:
 
 def stream_pages(store: DiskStore, transfer: KVTransfer, codec: Codec, keys: list[str],
                  ids: list[PageId | None], dest: list[int], loads: LayerLoads,
-                 cancelled: Callable[[], bool]) -> int:
+                 cancelled: Callable[[], bool], batch: BatchReads | None = None,
+                 readers: Executor | None = None, num_readers: int = 1) -> int:
     """Read L3 pages ``keys`` into L1 pages ``dest`` layer by layer, marking each layer of
     ``loads`` once every page still in the run has it. -> the leading pages whose files were
     read whole and checked out (a page that fails ends the run: the pages after it are not
-    read further, and count neither as hits nor as misses)."""
-    fmt: PageFormat = store.format
+    read further, and count neither as hits nor as misses). With ``batch`` (a plain directory
+    the native op reads) and every page's id known, the op reads ``num_readers`` slices of the
+    pages on ``readers`` in parallel (``_stream_native``); else one file piece per ``preadv``."""
     nbytes = [codec.encoded_nbytes((math.prod(s),), transfer.dtype) for s in transfer.shapes]
     direct = codec.name == "lossless" and transfer.page_views(0) is not None
+    if batch is not None and readers is not None and keys and all(p is not None for p in ids):
+        return _stream_native(batch, transfer, codec, nbytes, direct, keys, ids, dest, loads,
+                              cancelled, readers, num_readers)
+    fmt: PageFormat = store.format
     files: list[_OpenPage] = []
     bad: tuple[int, BadFile | OSError] | None = None  # the first page that failed, and why
     try:
@@ -118,6 +126,60 @@ def stream_pages(store: DiskStore, transfer: KVTransfer, codec: Codec, keys: lis
         loads.fail()  # no waiter outlives the load
         for f in files:  # cancelled, or an unexpected error: nothing counts
             os.close(f.fd)
+
+
+def _stream_native(batch: BatchReads, transfer: KVTransfer, codec: Codec, nbytes: list[int],
+                   direct: bool, keys: list[str], ids: list[PageId | None], dest: list[int],
+                   loads: LayerLoads, cancelled: Callable[[], bool], readers: Executor,
+                   num_readers: int) -> int:
+    """``stream_pages`` through the native ``LayerReads``: the pages cut into contiguous slices,
+    one per reader thread, each reading its files one layer group at a time (a ``preadv`` per
+    file and group, no GIL held); a group is marked once every slice has it. The first page
+    that fails ends the run; it goes down the store's precise path, which counts and
+    quarantines it (its bytes into a scratch buffer: the forward may be reading its L1 page)."""
+    n = len(keys)
+    k = max(1, min(num_readers, n))
+    bounds = [n * r // k for r in range(k + 1)]
+    host = transfer.host_buffers() if direct else None
+    arrived = [0] * len(transfer.buffer_groups)
+    lock = threading.Lock()
+
+    def run_slice(lo: int, hi: int) -> tuple[int, list[int]]:
+        reads, sizes = batch.open_layers(keys[lo:hi], ids[lo:hi])  # type: ignore[arg-type]
+        live, off, pages = reads.opened(), 0, torch.tensor(dest[lo:hi])
+        try:
+            for g, bufs in enumerate(transfer.buffer_groups):
+                width = sum(nbytes[j] for j in bufs)
+                if live and not cancelled():
+                    if host is not None:
+                        live = reads.read([host[j] for j in bufs], pages, off)
+                    else:
+                        rows = torch.empty(hi - lo, width, dtype=torch.uint8)
+                        live = reads.read([rows], torch.arange(hi - lo), off)
+                        if live:
+                            write_decoded(codec, rows[:live], transfer, dest[lo : lo + live], bufs)
+                off += width
+                with lock:
+                    arrived[g] += 1
+                    if arrived[g] == k:
+                        loads.mark(g)
+        finally:
+            live = reads.finish(batch.store.touch_on_hit)
+        return (0 if cancelled() else live), sizes
+
+    futs = [readers.submit(run_slice, bounds[r], bounds[r + 1]) for r in range(k)]
+    wait(futs)  # every slice ends before the pages can be freed, even if one raised
+    good, sizes = 0, []
+    for r, f in enumerate(futs):
+        live, got = f.result()
+        good, sizes = good + live, sizes + got[:live]
+        if live < bounds[r + 1] - bounds[r]:
+            break
+    batch.count_hits(keys[:good], sizes)
+    if good < n and not cancelled():
+        scratch = memoryview(bytearray(batch.payload_len))
+        batch.store.read_into(keys[good], [scratch], ids[good])  # classified, counted, quarantined
+    return good
 
 
 class _OpenPage:

@@ -10,7 +10,8 @@ go through a staging buffer per reader (pinned on CUDA) whose pages are decoded 
 (natively, straight into a CPU pool: ``native_pages.py``; on a side stream on CUDA). The first page that cannot be read ends the load: the pages before it are
 in place, nothing after it counts (``job.num_loaded``), and the cache manager frees the rest
 (a reader that fails inside a native call counts none of that chunk's pages).
-A job with ``layers`` streams layer by layer instead (``layer_stream.py``), on its loader thread.
+A job with ``layers`` streams layer by layer instead (``layer_stream.py``): natively on the
+reader threads where the chunks are read natively, else on its loader thread.
 """
 
 from __future__ import annotations
@@ -112,7 +113,7 @@ class PageLoader:
                 t0 = time.perf_counter()
                 n = stream_pages(self.stream_store, self.transfer, self.disk_codec,
                                  [k for _, k in pages], ids, job.dest, job.layers,
-                                 lambda: job.cancelled)
+                                 lambda: job.cancelled, self.batch, self._readers, self.num_readers)
                 job.seconds_by_tier[DISK] += time.perf_counter() - t0
                 job.bytes_by_tier[DISK] += n * self.disk_page_nbytes
                 tiers, origins = [DISK] * n, [LOCAL] * n

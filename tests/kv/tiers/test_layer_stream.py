@@ -19,6 +19,7 @@ from deepinfer.kv.pool import PagePool
 from deepinfer.kv.radix import DISK
 from deepinfer.kv.tiers import layer_stream
 from deepinfer.kv.tiers.backend import LoadJob
+from deepinfer.kv.tiers.batch_reads import BatchReads, page_reads_kernel
 from deepinfer.kv.tiers.disk_file import page_id
 from deepinfer.kv.tiers.page_bytes import PoolTransfer
 from deepinfer.kv.tiers.tier_io import TierIO
@@ -31,7 +32,7 @@ GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
 
 @pytest.mark.parametrize("codec", ["lossless", "fp8", "fp4"])
-def test_a_streamed_load_lands_what_a_whole_page_load_does(tmp_path, codec):
+def test_a_streamed_load_lands_what_a_whole_page_load_does(tmp_path, codec, read_path):
     specs = [KVSpec.gqa(2, 32) for _ in range(3)] + [KVSpec.gqa(2, 32, share_with=1)]
     n = 10
     src = PagePool(specs, n + 1, 16, torch.float32, torch.device("cpu"))
@@ -89,12 +90,43 @@ def on_disk(tiny_llama, tmp_path):
     return p, files
 
 
+@pytest.fixture(params=["native", "python"])
+def read_path(request, monkeypatch):
+    """Streams through the native ``LayerReads`` (where it built) or the per-piece Python reads."""
+    if request.param == "python":
+        monkeypatch.setattr(BatchReads, "make", staticmethod(lambda *a: None))
+    elif not page_reads_kernel().loaded:
+        pytest.skip(page_reads_kernel().error)
+    return request.param
+
+
+class GatedReads:
+    """A native ``LayerReads`` whose read of layer group ``group`` first calls ``gate``."""
+
+    def __init__(self, reads, group, gate):
+        self.reads, self.group, self.gate, self.n = reads, group, gate, 0
+
+    def opened(self):
+        return self.reads.opened()
+
+    def read(self, buffers, pages, off):
+        if self.n == self.group:
+            self.gate()
+        self.n += 1
+        return self.reads.read(buffers, pages, off)
+
+    def finish(self, touch):
+        return self.reads.finish(touch)
+
+
 @pytest.fixture()
-def forward_first(monkeypatch):
-    """Make the streamed read number ``at`` wait until the forward waits for layer 1 (so the
-    request surely started on the load), then call ``then`` (e.g. raise) or read."""
-    reached = threading.Event()
-    real_for_layer, real_preadv = ForwardBatch.for_layer, os.preadv
+def forward_first(monkeypatch, read_path):
+    """Make the streamed read of layer group ``group`` (on the Python path: its read of page
+    ``page``; natively: the first slice's read of it) wait until the forward waits for layer 1
+    (so the request surely started on the load), then call ``then`` (e.g. raise) or read.
+    -> a counter of the reads so gated (one)."""
+    reached, lock = threading.Event(), threading.Lock()
+    real_for_layer, real_preadv, real_open = ForwardBatch.for_layer, os.preadv, BatchReads.open_layers
     calls = [0]
 
     def for_layer(batch, i):
@@ -102,17 +134,33 @@ def forward_first(monkeypatch):
             reached.set()
         return real_for_layer(batch, i)
 
-    def setup(at, then=None):
+    def gate():
+        with lock:
+            first, calls[0] = calls[0] == 0, calls[0] + 1
+        if first:
+            assert reached.wait(30)
+            if action[0] is not None:
+                action[0]()
+
+    action = [None]
+
+    def setup(group, page=0, then=None, pages=25):
+        action[0] = then
+        preads = [0]
+
         def preadv(fd, bufs, off):
-            calls[0] += 1
-            if calls[0] == at:
-                assert reached.wait(30)
-                if then is not None:
-                    then()
+            preads[0] += 1
+            if preads[0] == group * pages + page + 1:
+                gate()
             return real_preadv(fd, bufs, off)
+
+        def open_layers(batch, keys, ids):
+            reads, sizes = real_open(batch, keys, ids)
+            return GatedReads(reads, group, gate), sizes
 
         monkeypatch.setattr(ForwardBatch, "for_layer", for_layer)
         monkeypatch.setattr(layer_stream.os, "preadv", preadv)
+        monkeypatch.setattr(BatchReads, "open_layers", open_layers)
         return calls
 
     return setup
@@ -131,7 +179,7 @@ def test_a_streamed_hit_gives_the_tokens_of_a_whole_page_load(tiny_llama, tmp_pa
                                                               forward_first, tail):
     p, _ = on_disk
     whole, st_whole = run(tiny_llama, tmp_path, p, stream=False, tail=tail)
-    forward_first(at=26)  # layer 1's first read: layer 0 computed meanwhile
+    calls = forward_first(group=1)  # layer 1's first read: layer 0 computed meanwhile
     streamed, st = run(tiny_llama, tmp_path, p, stream=True, tail=tail)
     assert st["disk_pages_streamed"] == 25 and st_whole["disk_pages_streamed"] == 0
     assert st["cache_streamed_loads_total"] == 1 and st["cache_streamed_rewinds_total"] == 0
@@ -139,6 +187,7 @@ def test_a_streamed_hit_gives_the_tokens_of_a_whole_page_load(tiny_llama, tmp_pa
     assert streamed.cached_tokens_by_tier == whole.cached_tokens_by_tier == {
         "device": 0, "host": 0, "disk": 100}
     assert streamed.load_bytes_by_tier == whole.load_bytes_by_tier
+    assert calls[0] >= 1
 
 
 def test_a_page_failing_its_check_after_the_forward_is_recomputed(tiny_llama, tmp_path, on_disk,
@@ -148,8 +197,9 @@ def test_a_page_failing_its_check_after_the_forward_is_recomputed(tiny_llama, tm
     data = bytearray(files[10].read_bytes())
     data[-20] ^= 0xFF  # the last layer's V of page 10: found only once every layer ran
     files[10].write_bytes(bytes(data))
-    forward_first(at=26)
+    calls = forward_first(group=1)
     out, st = run(tiny_llama, tmp_path, p, stream=True)
+    assert calls[0] >= 1
     assert out.token_ids == cold.token_ids
     assert out.cached_tokens_by_tier == {"device": 0, "host": 0, "disk": 40}  # pages 0-9
     assert out.num_cached_tokens + out.num_computed_tokens == out.num_prompt_tokens
@@ -166,9 +216,9 @@ def test_a_loader_dying_mid_read_leaves_nothing_applied(tiny_llama, tmp_path, on
     def die():
         raise RuntimeError("loader killed")
 
-    calls = forward_first(at=40, then=die)  # in layer 1 (25 reads a layer), layer 0 in use
+    calls = forward_first(group=1, page=14, then=die)  # in layer 1, layer 0 in use
     out, st = run(tiny_llama, tmp_path, p, stream=True)
-    assert calls[0] == 40 and st["load_errors"] == 1
+    assert calls[0] >= 1 and st["load_errors"] == 1
     assert st["cache_streamed_loads_total"] == st["cache_streamed_rewinds_total"] == 1
     assert out.token_ids == cold.token_ids
     assert out.cached_tokens_by_tier["disk"] == 0 and out.num_computed_tokens == len(p) + 3

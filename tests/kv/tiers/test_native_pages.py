@@ -3,12 +3,15 @@ codec, dtype and page layout, written straight into the destination pages and no
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 from deepinfer.kv.layout import KVSpec
 from deepinfer.kv.pool import PagePool
 from deepinfer.kv.tiers.codecs import get_codec
+from deepinfer.kv.tiers.minifloat import decode_tables
 from deepinfer.kv.tiers.native_pages import decode_into, native_decodes, page_codecs_kernel
 from deepinfer.kv.tiers.page_bytes import PoolTransfer, decode_pages, encode_pages, write_decoded
 
@@ -83,3 +86,55 @@ def test_malformed_rows_raise_and_write_nothing():
         decode_into(codec, rows, dst.owned_buffers(), [12])
     for b, a in zip(dst.owned_buffers(), before):
         assert torch.equal(b, a)
+
+
+def code_region(codec, rows, shapes, dtype):
+    """Per buffer of a page row: the byte range of its value codes (fp8: first m bytes; fp4:
+    after the 4-byte page scale, m / 2 bytes)."""
+    out, off = [], 0
+    for s in shapes:
+        m = math.prod(s)
+        start = off + (4 if codec.name == "fp4" else 0)
+        out.append((start, start + (m if codec.name == "fp8" else m // 2)))
+        off += codec.encoded_nbytes((m,), dtype)
+    assert off == rows.shape[1]
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("name,block", [("fp8", None), ("fp8", 16), ("fp8", 8), ("fp4", None), ("fp4", 32)])
+def test_every_code_decodes_as_the_torch_table(name, block, dtype):
+    """Random code bytes (all 256 e4m3 codes: subnormals, both zeros, the NaN codes; all 16 e2m1
+    codes) through the vector paths and the tails: the torch decode's bits, NaN where it has NaN."""
+    codec = get_codec(name, block, PS)
+    src = filled_pool(MLA, dtype, 3)
+    rows = encode_pages(codec, src.read_pages([1, 2, 3]))
+    shapes = PoolTransfer(src).shapes
+    g = torch.Generator().manual_seed(5)
+    for a, b in code_region(codec, rows, shapes, dtype):
+        rows[:, a:b] = torch.randint(0, 256, (rows.shape[0], b - a), generator=g, dtype=torch.uint8)
+    ref, got = filled_pool(MLA, dtype, 1), filled_pool(MLA, dtype, 1)
+    ref.write_pages([4, 5, 6], decode_pages(codec, rows, shapes, dtype))
+    decode_into(codec, rows, got.owned_buffers(), [4, 5, 6])
+    for r, o in zip(ref.owned_buffers(), got.owned_buffers()):
+        nan = r.isnan()
+        assert torch.equal(nan, o.isnan())
+        assert torch.equal(bits(r)[~nan], bits(o)[~nan])
+
+
+def test_fp8_decode_with_another_table_gathers_from_it():
+    """A table that is not e4m3fn's own values (the op's gather path): table[code] * scale."""
+    codec = get_codec("fp8", None, PS)
+    src, got = filled_pool(MLA, torch.float32, 0), filled_pool(MLA, torch.float32, 1)
+    rows = encode_pages(codec, src.read_pages([1]))
+    e4m3, e2m1 = decode_tables(codec.native)
+    table = e4m3 * 1.5
+    torch.ops.deepinfer_kv_codecs.decode_into(rows, torch.tensor([7]), got.owned_buffers(), 0,
+                                              codec.block_size, 0, table, e2m1)
+    m = math.prod(PoolTransfer(src).shapes[0])
+    for j, o in enumerate(got.owned_buffers()):
+        row = rows[0, j * (m + m // codec.block_size * 4):]
+        codes = row[:m].long()
+        scales = row[m : m + m // codec.block_size * 4].clone().view(torch.float32)
+        want = (table[codes].view(-1, codec.block_size) * scales[:, None]).reshape(o[7].shape)
+        assert torch.equal(o[7], want)

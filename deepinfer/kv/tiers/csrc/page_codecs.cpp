@@ -1,15 +1,14 @@
 // Lossy KV page codecs on CPU pages, bit-identical to the torch ones (codecs.py, minifloat.py).
 // Decode writes n pages' bytes (staging rows, page_bytes.py's layout) straight into each owned
 // buffer of the L1 pool: float32 table value times float32 scale, clamped to the dtype's finite
-// range, rounded to nearest even, with the caller's tables. Encode (fp8, fp4, mxfp4) repeats the
+// range, rounded to nearest even, with the caller's tables (page_values.h: AVX-512, AVX2 or
+// scalar, without a table gather where the table allows). Encode (fp8, fp4, mxfp4) repeats the
 // torch encode's float32 steps in its order, without its dozen temporaries per page. One call
 // runs on its caller's thread: the loader's readers and the tier writers each run their own
 // pages (an intra-op thread team per caller would oversubscribe the cores they share).
 
 #include <ATen/ATen.h>
-#include <c10/util/BFloat16.h>
 #include <c10/util/Float8_e4m3fn.h>
-#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -20,11 +19,11 @@
 #include <string>
 #include <vector>
 
-#ifdef __AVX2__
-#include <immintrin.h>
-#endif
+#include "page_values.h"
 
 namespace {
+
+using namespace page_values;
 
 enum CodecId : int64_t { kFP8 = 0, kFP8C = 1, kFP4 = 2, kMXFP4 = 3 };
 
@@ -41,109 +40,6 @@ struct Layout {  // one buffer's page row: what it holds and where
   }
 };
 
-float from_bits(uint32_t bits) {
-  float v;
-  std::memcpy(&v, &bits, 4);
-  return v;
-}
-
-float load_f32(const uint8_t* p) {
-  float v;
-  std::memcpy(&v, p, 4);
-  return v;
-}
-
-float clamp_to(float v, float fmax) { return v > fmax ? fmax : (v < -fmax ? -fmax : v); }  // NaN stays
-
-// fp8 block scales: float32 at unaligned offsets after the codes
-struct FP8Scales {
-  const uint8_t* bytes;
-  float operator()(int64_t b) const { return load_f32(bytes + 4 * b); }
-};
-FP8Scales fp8_scales(const uint8_t* bytes) { return FP8Scales{bytes}; }
-
-// -- stores of float32 values into the destination dtype (clamped first, as codecs._finish)
-template <typename T> struct Out;
-template <> struct Out<float> {
-  static constexpr float kMax = FLT_MAX;
-  static void put(float* o, float v) { *o = clamp_to(v, kMax); }
-#ifdef __AVX2__
-  static void put8(float* o, __m256 v) {
-    const __m256 mx = _mm256_set1_ps(kMax);  // min/max return the second operand on NaN
-    _mm256_storeu_ps(o, _mm256_max_ps(_mm256_sub_ps(_mm256_setzero_ps(), mx), _mm256_min_ps(mx, v)));
-  }
-#endif
-};
-template <> struct Out<c10::BFloat16> {
-  static constexpr float kMax = 3.3895313892515355e38f;
-  static void put(c10::BFloat16* o, float v) { *o = c10::BFloat16(clamp_to(v, kMax)); }
-#ifdef __AVX2__
-  static void put8(c10::BFloat16* o, __m256 v) {
-    const __m256 mx = _mm256_set1_ps(kMax);
-    v = _mm256_max_ps(_mm256_sub_ps(_mm256_setzero_ps(), mx), _mm256_min_ps(mx, v));
-    const __m256i u = _mm256_castps_si256(v);  // round to nearest even, NaN -> 0x7FC0 (as c10)
-    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
-    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
-    const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(o), packed);
-  }
-#endif
-};
-template <> struct Out<c10::Half> {
-  static constexpr float kMax = 65504.0f;
-  static void put(c10::Half* o, float v) { *o = c10::Half(clamp_to(v, kMax)); }
-#ifdef __AVX2__
-  static void put8(c10::Half* o, __m256 v) {
-    const __m256 mx = _mm256_set1_ps(kMax);
-    v = _mm256_max_ps(_mm256_sub_ps(_mm256_setzero_ps(), mx), _mm256_min_ps(mx, v));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(o), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
-  }
-#endif
-};
-
-// How a block's codes sit in its bytes: one per byte (e4m3), or two (e2m1, even element low).
-struct ByteCodes {
-  static int64_t offset(int64_t i) { return i; }
-  static int code(const uint8_t* c, int64_t i) { return c[i]; }
-#ifdef __AVX2__
-  static __m256i codes8(const uint8_t* c) {
-    return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c)));
-  }
-#endif
-};
-struct NibbleCodes {
-  static int64_t offset(int64_t i) { return i / 2; }
-  static int code(const uint8_t* c, int64_t i) { return (i % 2) ? (c[i / 2] >> 4) : (c[i / 2] & 0x0F); }
-#ifdef __AVX2__
-  static __m256i codes8(const uint8_t* c) {
-    uint32_t w;
-    std::memcpy(&w, c, 4);
-    const __m128i x = _mm_cvtsi32_si128(static_cast<int>(w));
-    const __m128i low = _mm_set1_epi8(0x0F);
-    return _mm256_cvtepu8_epi32(_mm_unpacklo_epi8(_mm_and_si128(x, low), _mm_and_si128(_mm_srli_epi16(x, 4), low)));
-  }
-#endif
-};
-
-// codes of m elements (Codes' packing) times scale(b) per block, looked up in table -> o[m]
-template <typename Codes, typename T, typename Scale>
-void block_values(const uint8_t* codes, int64_t m, int64_t block, const Scale& scale, const float* table, T* o) {
-  for (int64_t b = 0; b < m / block; ++b) {
-    const float s = scale(b);
-    const uint8_t* c = codes + Codes::offset(b * block);
-    T* out = o + b * block;
-    int64_t i = 0;
-#ifdef __AVX2__
-    const __m256 sv = _mm256_set1_ps(s);
-    for (; i + 8 <= block; i += 8)
-      Out<T>::put8(out + i, _mm256_mul_ps(_mm256_i32gather_ps(table, Codes::codes8(c + Codes::offset(i)), 4), sv));
-#endif
-    for (; i < block; ++i) Out<T>::put(out + i, table[Codes::code(c, i)] * s);
-  }
-}
-
 // f(values) with a float32 / bfloat16 / float16 buffer's data pointer (the dtypes checked before)
 template <typename F>
 void on_values(const at::Tensor& b, const F& f) {
@@ -155,12 +51,13 @@ void on_values(const at::Tensor& b, const F& f) {
 }
 
 // One page row of one buffer into o (m elements of T).
-template <typename T>
-void decode_row(const Layout& L, const uint8_t* row, const float* e4m3, const float* e2m1, T* o,
+// E4M3: E4M3Values or TableValues (the e4m3 codes' values, equal either way: e4m3_from_bits).
+template <typename T, typename E4M3>
+void decode_row(const Layout& L, const uint8_t* row, const E4M3& e4m3, const E2M1Values& e2m1, T* o,
                 std::vector<float>& tmp) {
   const int64_t m = L.m, nb = m / L.block;
   if (L.codec == kFP8) {
-    block_values<ByteCodes>(row, m, L.block, fp8_scales(row + m), e4m3, o);
+    block_values<ByteCodes>(row, m, L.block, FP8Scales{row + m}, e4m3, o);
     return;
   }
   if (L.codec == kFP4 || L.codec == kMXFP4) {
@@ -169,7 +66,7 @@ void decode_row(const Layout& L, const uint8_t* row, const float* e4m3, const fl
     const uint8_t* sb = packed + m / 2;
     if (L.codec == kFP4) {
       const float g = load_f32(row);
-      for (int64_t b = 0; b < nb; ++b) tmp[b] = e4m3[sb[b]] * g;
+      for (int64_t b = 0; b < nb; ++b) tmp[b] = e4m3.one(sb[b]) * g;
     } else {
       for (int64_t b = 0; b < nb; ++b) {
         tmp[b] = from_bits(sb[b] == 0 ? 0x00400000u : static_cast<uint32_t>(sb[b]) << 23);  // 0: 2**-127
@@ -181,7 +78,7 @@ void decode_row(const Layout& L, const uint8_t* row, const float* e4m3, const fl
   // kFP8C: float32 deviations (clamped to float32's range) + the bfloat16 mean, then the exact token
   const int64_t C = m / L.tokens;
   tmp.resize(m);
-  block_values<ByteCodes>(row, m, L.block, fp8_scales(row + m), e4m3, tmp.data());
+  block_values<ByteCodes>(row, m, L.block, FP8Scales{row + m}, e4m3, tmp.data());
   const uint8_t* mean = row + m + nb * 4;
   const uint8_t* exact = mean + 2 * C;
   uint16_t idx;
@@ -233,13 +130,21 @@ void decode_into(const at::Tensor& rows, const at::Tensor& pages, at::TensorList
   const uint8_t* base = rows.data_ptr<uint8_t>();
   const float* t8 = e4m3.data_ptr<float>();
   const float* t4 = e2m1.data_ptr<float>();
-  std::vector<float> tmp;
-  for (int64_t i = 0; i < n; ++i) {
-    for (int64_t j = 0; j < nbuf; ++j) {
-      const Layout& L = layouts[j];
-      const uint8_t* row = base + i * width + offsets[j];
-      on_values(buffers[j], [&](auto* v) { decode_row(L, row, t8, t4, v + pg[i] * L.m, tmp); });
+  const E2M1Values e2m1v(t4);
+  const auto run = [&](const auto& e4m3v) {
+    std::vector<float> tmp;
+    for (int64_t i = 0; i < n; ++i) {
+      for (int64_t j = 0; j < nbuf; ++j) {
+        const Layout& L = layouts[j];
+        const uint8_t* row = base + i * width + offsets[j];
+        on_values(buffers[j], [&](auto* v) { decode_row(L, row, e4m3v, e2m1v, v + pg[i] * L.m, tmp); });
+      }
     }
+  };
+  if (e4m3_from_bits(t8)) {
+    run(E4M3Values{t8});
+  } else {
+    run(TableValues{t8});
   }
 }
 
@@ -434,7 +339,9 @@ at::Tensor encode_pages(at::TensorList data, int64_t codec, int64_t block, const
 }
 
 std::string isa() {
-#ifdef __AVX2__
+#if defined(__AVX512F__)
+  return "avx512";
+#elif defined(__AVX2__)
   return "avx2";
 #else
   return "scalar";

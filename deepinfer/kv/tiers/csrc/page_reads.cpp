@@ -5,10 +5,12 @@
 // header and payload while the page is still in the CPU cache, the tag compared, mtime set (the
 // LRU recency) where asked. The first file that fails any step ends the call: the caller takes the
 // leading run and sends the failed file down its precise (Python) path, which counts and
-// quarantines. XXH3 is the xxHash library the Python ``xxhash`` package loads; ``bind_xxh3``
-// resolves its symbols once (no second copy of the hash in this tree).
+// quarantines. ``LayerReads`` reads the same files a layer group at a time. XXH3 is the xxHash
+// library the Python ``xxhash`` package loads; ``bind_xxh3`` resolves its symbols once (no second
+// copy of the hash in this tree).
 
 #include <ATen/ATen.h>
+#include <torch/custom_class.h>
 #include <torch/library.h>
 
 #include <dlfcn.h>
@@ -139,6 +141,109 @@ int64_t read_pages(std::vector<std::string> paths, at::Tensor heads, at::Tensor 
   return i;
 }
 
+// Page files read in pieces, a layer group at a time (layer_stream.py), on the caller's thread
+// without the GIL: each file opened and its header compared at construction, its tag started;
+// every ``read`` lands the next bytes of each payload (one preadv per file) in their pages and
+// updates the tags, in file order; ``finish`` reads and compares the tags. The first file that
+// fails a step ends the run (``live``: the leading files still good): the files after it are
+// not read further.
+struct LayerReads : torch::CustomClassHolder {
+  std::vector<int> fds;
+  std::vector<void*> states;
+  std::vector<size_t> hlens;
+  int64_t payload_len = 0, consumed = 0, live = 0;
+
+  LayerReads(std::vector<std::string> paths, at::Tensor heads, at::Tensor offsets, int64_t payload) {
+    TORCH_CHECK(g_xxh3.create != nullptr, "bind_xxh3 first");
+    const auto n = static_cast<int64_t>(paths.size());
+    TORCH_CHECK(offsets.numel() == n + 1 && heads.dtype() == at::kByte && heads.is_contiguous(),
+                "one contiguous uint8 header per path");
+    const auto oc = offsets.to(at::kLong).contiguous();
+    const int64_t* off = oc.data_ptr<int64_t>();
+    const uint8_t* h = heads.data_ptr<uint8_t>();
+    payload_len = payload;
+    std::vector<uint8_t> got;
+    for (int64_t i = 0; i < n; ++i) {
+      const size_t hlen = static_cast<size_t>(off[i + 1] - off[i]);
+      const int fd = open(paths[i].c_str(), O_RDONLY | O_CLOEXEC);
+      if (fd < 0) break;
+      got.resize(hlen);
+      void* state = g_xxh3.create();
+      if (state == nullptr || pread(fd, got.data(), hlen, 0) != static_cast<ssize_t>(hlen) ||
+          std::memcmp(got.data(), h + off[i], hlen) != 0) {
+        if (state != nullptr) g_xxh3.release(state);
+        close(fd);
+        break;
+      }
+      g_xxh3.reset(state);
+      g_xxh3.update(state, got.data(), hlen);
+      fds.push_back(fd);
+      states.push_back(state);
+      hlens.push_back(hlen);
+    }
+    live = static_cast<int64_t>(fds.size());
+  }
+  ~LayerReads() override { release(); }
+
+  int64_t opened() const { return live; }
+
+  // The next payload bytes of file i (its page pages[i] of every buffer) for the live files.
+  int64_t read(std::vector<at::Tensor> buffers, at::Tensor pages, int64_t offset) {
+    TORCH_CHECK(offset == consumed, "pieces must be read in file order");
+    TORCH_CHECK(static_cast<int64_t>(buffers.size()) <= IOV_MAX, "too many buffers for one preadv");
+    const Slices s = buffer_slices(buffers);
+    const auto pc = pages.to(at::kLong).contiguous();
+    const int64_t* pg = pc.data_ptr<int64_t>();
+    TORCH_CHECK(pc.numel() >= live, "a page per live file");
+    size_t width = 0;
+    for (size_t j = 0; j < s.base.size(); ++j) {
+      for (int64_t i = 0; i < live; ++i) TORCH_CHECK(pg[i] >= 0 && pg[i] < buffers[j].size(0), "page out of range");
+      width += s.nbytes[j];
+    }
+    TORCH_CHECK(consumed + static_cast<int64_t>(width) <= payload_len, "reads past the payload");
+    std::vector<iovec> iov(s.base.size());
+    for (int64_t i = 0; i < live; ++i) {
+      for (size_t j = 0; j < s.base.size(); ++j) iov[j] = {s.base[j] + pg[i] * s.nbytes[j], s.nbytes[j]};
+      const off_t at = static_cast<off_t>(hlens[i] + consumed);
+      if (preadv(fds[i], iov.data(), static_cast<int>(iov.size()), at) != static_cast<ssize_t>(width)) {
+        live = i;
+        break;
+      }
+      for (const iovec& v : iov) g_xxh3.update(states[i], v.iov_base, v.iov_len);
+    }
+    consumed += static_cast<int64_t>(width);
+    return live;
+  }
+
+  // Tags of the live files checked (each file must end right after its tag), mtimes set where
+  // ``touch``, every file closed. -> the leading files read whole and intact (0 if the payloads
+  // were not all read).
+  int64_t finish(bool touch) {
+    if (consumed != payload_len) live = 0;
+    for (int64_t i = 0; i < live; ++i) {
+      uint8_t tag[16], past[1], digest[16];
+      iovec iov[2] = {{tag, sizeof(tag)}, {past, sizeof(past)}};
+      const off_t at = static_cast<off_t>(hlens[i] + payload_len);
+      canonical(g_xxh3.digest(states[i]), digest);
+      if (preadv(fds[i], iov, 2, at) != static_cast<ssize_t>(sizeof(tag)) ||
+          std::memcmp(digest, tag, sizeof(tag)) != 0) {
+        live = i;
+        break;
+      }
+      if (touch) futimens(fds[i], nullptr);
+    }
+    release();
+    return live;
+  }
+
+  void release() {
+    for (int fd : fds) close(fd);
+    for (void* st : states) g_xxh3.release(st);
+    fds.clear();
+    states.clear();
+  }
+};
+
 bool bind(std::string library) { return bind_xxh3(library); }
 
 }  // namespace
@@ -148,4 +253,9 @@ TORCH_LIBRARY(deepinfer_kv_reads, m) {
   m.def("read_pages(str[] paths, Tensor heads, Tensor offsets, Tensor(a!)[] buffers, Tensor pages, "
         "bool touch) -> int", &read_pages);
   m.def("isa() -> str", [] { return std::string("scalar"); });
+  m.class_<LayerReads>("LayerReads")
+      .def(torch::init<std::vector<std::string>, at::Tensor, at::Tensor, int64_t>())
+      .def("opened", &LayerReads::opened)
+      .def("read", &LayerReads::read)
+      .def("finish", &LayerReads::finish);
 }
