@@ -35,6 +35,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine import LLMEngine
 from .anthropic import error_response, message_body, parse_messages_request, stream_events
+from .api_error import APIError
 from .async_engine import AsyncEngine
 from .boundary import BearerAuth, CatchAll, read_json
 from .config import ServerConfig, generation_defaults
@@ -43,7 +44,8 @@ from .metrics import render
 from .outputs import Admitted, Delta, Submission, merge_deltas
 from .pd import PrefillWorker, check_role
 from .pd_decode import DecodeWorker
-from .protocol import APIError, ParsedRequest, get_str, parse_request
+from .protocol import ParsedRequest, parse_request
+from .request_fields import get_str
 from .tokenize import detokenize, tokenize
 from .tools import StreamPiece, ToolOutput
 

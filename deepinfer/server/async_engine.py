@@ -34,6 +34,7 @@ from ..errors import RequestError
 from ..kv.radix import DEVICE
 from ..log_limit import RateLimitedLog
 from ..request import Request
+from .api_error import APIError
 from .cache_explain import CacheExplainer
 from .cache_control import PinTable, breakpoint_positions
 from .config import ServerConfig
@@ -43,7 +44,7 @@ from .metrics import ServerMetrics
 from .outputs import Admitted, Delta, QueueFull, Submission, Usage
 from .prompts import BuiltPrompt
 from .shared_replies import SharedReplies
-from .protocol import APIError, ParsedRequest
+from .protocol import ParsedRequest
 from .replies import ReplyFormat
 
 log = logging.getLogger("deepinfer.server")
