@@ -4,7 +4,8 @@
 Modules: ``config`` (options), ``protocol`` (request parsing; ``api_error``,
 ``json_body``, ``request_fields``, ``chat_messages``: errors and checks),
 ``prompts`` (prefix-stable chat encoding), ``detokenize`` (streaming text),
-``async_engine`` (the engine thread), ``metrics`` (Prometheus text), ``app`` (endpoints),
+``async_engine`` (the engine thread), ``metrics`` (Prometheus text), ``app`` (endpoints;
+``openai_replies``, ``delta_queue``: answers, a request's deltas),
 ``serve`` (uvicorn, ``BackgroundServer``). See docs/server.md. FastAPI is imported only when
 ``app`` or ``serve`` is.
 """
