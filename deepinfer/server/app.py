@@ -25,12 +25,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..engine import LLMEngine
-from . import delta_queue
 from .anthropic import error_response, message_body, parse_messages_request, stream_events
 from .api_error import APIError
 from .async_engine import AsyncEngine
 from .boundary import BearerAuth, CatchAll, read_json
 from .config import ServerConfig, generation_defaults
+from .delta_queue import await_disconnect, deltas_to_final, next_delta
 from .kv_events import add_kv_event_routes, attach_event_log
 from .metrics import render
 from .openai_replies import OpenAIReplies
@@ -97,9 +97,9 @@ class Server:
 
     def watch_disconnect(self, request: Request, q: asyncio.Queue, rid: str):
         """A coroutine that aborts ``rid`` when its client goes away."""
-        return delta_queue.watch_disconnect(request, q, lambda: self.async_engine.abort(rid))
+        return await_disconnect(request, q, lambda: self.async_engine.abort(rid))
 
-    next_delta = staticmethod(delta_queue.next_delta)  # what a prefill worker reads with
+    next_delta = staticmethod(next_delta)  # what a prefill worker reads its deltas with
 
     # ------------------------------------------------------------------ Anthropic
     async def messages(self, request: Request) -> Response:
@@ -117,7 +117,7 @@ class Server:
             return error_response(e)
         headers = self._headers(rid, adm)
         watcher = asyncio.create_task(self.watch_disconnect(request, q, rid))
-        deltas = delta_queue.deltas_to_final(q, watcher, lambda: self.async_engine.abort(rid))
+        deltas = deltas_to_final(q, watcher, lambda: self.async_engine.abort(rid))
         if parsed.stream:
             events = stream_events(rid, self.model_name, adm.num_prompt_tokens, deltas,
                                    self.async_engine.replies.stream(parsed, rid))

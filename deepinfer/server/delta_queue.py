@@ -17,7 +17,7 @@ from .outputs import Delta, merge_deltas
 _DISCONNECTED = object()
 
 
-async def watch_disconnect(request: Request, q: asyncio.Queue,
+async def await_disconnect(request: Request, q: asyncio.Queue,
                            on_disconnect: Callable[[], None]) -> None:
     """When the client goes away (after the body was read): ``on_disconnect()`` and put
     ``_DISCONNECTED`` in ``q`` for whoever waits on it."""
