@@ -67,6 +67,16 @@ def check_accounting(o):
     assert o.num_cached_tokens + o.num_replayed_tokens + o.num_computed_tokens == o.num_prompt_tokens
 
 
+def logits_after_a_hit(path, p1, p2, **kw):
+    """``p2``'s teacher-forced logits after ``p1`` was cached, from where its hit ends: (those,
+    the no-cache ones from there, that position)."""
+    ref, _ = make(path, enable_prefix_cache=False).engine.score([p2])[0]
+    engine = make(path, **kw).engine
+    engine.score([p1])
+    logits, start = engine.score([p2])[0]
+    return logits, ref[start:], start
+
+
 def test_greedy_equal_across_reuse_modes(hybrid):
     shared = ids(40, 1)
     prompts = [shared + ids(13, 2), shared + ids(9, 3), shared + ids(17, 4)]
@@ -103,13 +113,9 @@ def test_logits_after_a_hit_equal_no_cache(hybrid, kw, exact):
     """Teacher-forced logits of the tokens after a hit equal the no-cache ones; a replay of
     only W tokens (three stacked sliding layers need 3 x (W - 1)) visibly does not."""
     shared = ids(40, 1)
-    p1, p2 = shared + ids(13, 2), shared + ids(9, 3)
-    ref, _ = make(hybrid, enable_prefix_cache=False).engine.score([p2])[0]
-    engine = make(hybrid, **kw).engine
-    engine.score([p1])
-    logits, start = engine.score([p2])[0]
+    logits, ref, start = logits_after_a_hit(hybrid, shared + ids(13, 2), shared + ids(9, 3), **kw)
     assert start == 40 or kw.get("window_reuse") == "off"
-    diff = (logits - ref[start:]).abs().max().item()
+    diff = (logits - ref).abs().max().item()
     assert diff <= 1e-5 if exact else diff > 1e-2
 
 

@@ -31,10 +31,11 @@ from fastapi.responses import JSONResponse
 
 from ..errors import RequestError
 from ..sampling_params import SamplingParams
+from .api_error import APIError, bad
 from .outputs import Delta, Usage
 from .cache_control import MAX_BREAKPOINTS, TTLS, CacheBreakpoint
-from .protocol import (APIError, ParsedRequest, bad, get_bool, get_int, get_num,
-                       get_response_format, get_str, tool_request)
+from .protocol import ParsedRequest, tool_request
+from .request_fields import get_bool, get_int, get_num, get_response_format, get_str
 from .thinking import Thinking
 from .tools import ToolOutput
 from .tools.stream import ReplyStream

@@ -9,7 +9,8 @@ import logging
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from .protocol import APIError, parse_json_body
+from .api_error import APIError
+from .json_body import parse_json_body
 
 log = logging.getLogger("deepinfer.server")
 

@@ -31,8 +31,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from ..kv.radix import TIER_NAMES, RadixTree
+from .api_error import APIError
 from .async_engine import AsyncEngine
-from .protocol import APIError
 
 MAX_WAIT_S = 30.0
 _POLL_S = 0.02  # how often a long poll looks for new events

@@ -7,8 +7,9 @@ from dataclasses import dataclass, field
 
 from ..kv.tiers.backend import LoadStats
 from ..spec.counters import SpecCounters
+from .api_error import APIError
 from .prompts import BuiltPrompt
-from .protocol import APIError, ParsedRequest
+from .protocol import ParsedRequest
 from .tools import ToolOutput
 
 

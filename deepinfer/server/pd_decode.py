@@ -29,9 +29,9 @@ from ..kv.cache_manager import KVCacheManager
 from ..kv.transfer import Arena, TransferDescriptor, TransferError, open_link
 from ..kv.transfer_import import PagePuller, PulledRun, StagedPages
 from ..log_limit import RateLimitedLog
+from .api_error import APIError
 from .async_engine import AsyncEngine
 from .config import ServerConfig
-from .protocol import APIError
 
 log = logging.getLogger("deepinfer.server")
 PREFILL_HEADER = "x-deepinfer-prefill"

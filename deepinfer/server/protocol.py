@@ -1,297 +1,32 @@
-"""Request parsing and validation for the OpenAI/DeepSeek-compatible endpoints.
+"""A request to ``/v1/chat/completions`` or ``/v1/completions``, parsed into ``ParsedRequest``.
 
-Requests are checked field by field by hand (not by a schema library) so every error names
-the offending field, OpenAI style::
-
-    {"error": {"message": "max_tokens: must be an integer >= 1, got -3",
-               "type": "invalid_request_error", "param": "max_tokens", "code": null}}
-
-Unknown fields are ignored, as vLLM does. Fields we cannot honour (``echo``,
-``suffix``) are rejected with 400 rather than silently ignored. Tool fields are checked in
-``tools/request.py``.
-
-Before any field is read, the whole body is checked: JSON nested at most ``MAX_JSON_DEPTH``
-deep, integers of at most 4,300 digits (Python's own bound), and every string (keys too)
-valid Unicode, i.e. without lone surrogates, which JSON's ``\\ud800`` escapes can carry. The
-value ranges are those of ``deepinfer/limits.py``.
+Unknown fields are ignored, as vLLM does. Fields we cannot honour (``echo``, ``suffix``) are
+rejected with 400 rather than silently ignored. The body was checked as a whole first
+(``json_body.py``); each field is read by ``request_fields.py``, chat messages by
+``chat_messages.py`` and the tool fields by ``tools/request.py``; every error is an
+``APIError`` (``api_error.py``) that names the field.
 """
 
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import RequestError
-from ..limits import INT64_MAX, INT64_MIN, SEED_MAX, SEED_MIN, encodable, is_int
+from ..limits import INT64_MAX, SEED_MAX, SEED_MIN, is_int
 from ..sampling_params import SamplingParams
-from ..structured.spec import StructuredOutput
+from .api_error import APIError, bad
 from .cache_control import CacheBreakpoint
+from .chat_messages import normalize_messages
+from .request_fields import (get_bool, get_int, get_logit_bias, get_num, get_response_format,
+                             get_stop, get_str)
 from .thinking import Thinking, parse_thinking
-from .tools.request import ToolRequest, parse_tool_request, tool_message_fields
-
+from .tools.request import ToolRequest, parse_tool_request
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (chat: the rest)
-MAX_JSON_DEPTH = 64  # nesting of arrays and objects in a request body
-ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 
 
-class APIError(Exception):
-    """An error answered with an OpenAI-style body."""
-
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type
-        self.param = param
-        self.code = code
-        self.headers = headers or {}
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
-
-    @classmethod
-    def from_request_error(cls, e: RequestError, rename: dict[str, str] | None = None) -> APIError:
-        name = (rename or {}).get(e.field, e.field)
-        return cls(e.status, f"{name}: {e.message}", param=name)
-
-
-def bad(param: str | None, message: str) -> APIError:
-    return APIError(400, f"{param}: {message}" if param else message, param=param)
-
-
-def parse_json_body(raw: bytes) -> dict:
-    if not raw.strip():
-        raise bad(None, "the request body is empty; expected a JSON object")
-    try:
-        body = json.loads(raw)
-    except RecursionError:
-        raise bad(None, f"the request body is nested more than {MAX_JSON_DEPTH} levels deep") \
-            from None
-    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError, or an int of > 4300 digits
-        raise bad(None, f"the request body is not valid JSON: {e}") from None
-    if not isinstance(body, dict):
-        raise bad(None, f"the request body must be a JSON object, got {type(body).__name__}")
-    check_json_values(body)
-    return body
-
-
-def check_json_values(body: dict) -> None:
-    """Depth bound and valid Unicode for the whole body; the error names the first bad path."""
-    stack: list[tuple[object, str, int]] = [(body, "", 1)]
-    while stack:
-        v, path, depth = stack.pop()
-        if isinstance(v, str):
-            if not encodable(v):
-                raise bad(path or None, "must be valid Unicode text (it contains a lone "
-                                        "surrogate)")
-            continue
-        if not isinstance(v, (dict, list)):
-            continue
-        if depth > MAX_JSON_DEPTH:
-            raise bad(path or None, f"the request body is nested more than {MAX_JSON_DEPTH} "
-                                    "levels deep")
-        if isinstance(v, dict):
-            for k, x in v.items():
-                where = f"{path}.{k}" if path else k
-                if not encodable(k):
-                    raise bad(path or None, "field names must be valid Unicode text")
-                stack.append((x, where, depth + 1))
-        else:
-            stack.extend((x, f"{path}[{i}]", depth + 1) for i, x in enumerate(v)
-                         if isinstance(x, (str, dict, list)))
-
-
-# ---------------------------------------------------------------------- field readers
-def _is_num(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
-def get_int(body: dict, name: str, default: int | None = None, lo: int = INT64_MIN,
-            hi: int = INT64_MAX) -> int | None:
-    """An integer field; within int64 unless ``lo``/``hi`` say otherwise."""
-    v = body.get(name)
-    if v is None:
-        return default
-    if isinstance(v, float) and v.is_integer():
-        v = int(v)
-    if not is_int(v):
-        raise bad(name, f"must be an integer, got {_shown(v)}")
-    return _in_range(name, v, lo, hi)
-
-
-def get_num(body: dict, name: str, default: float | None = None, lo: float | None = None,
-            hi: float | None = None) -> float | None:
-    v = body.get(name)
-    if v is None:
-        return default
-    if not _is_num(v):
-        raise bad(name, f"must be a number, got {_shown(v)}")
-    try:
-        f = float(v)
-    except OverflowError:  # an integer beyond the float range
-        raise bad(name, f"must be a finite number, got {_shown(v)}") from None
-    if not math.isfinite(f):
-        raise bad(name, f"must be a finite number, got {_shown(v)}")
-    return float(_in_range(name, f, lo, hi))
-
-
-def _in_range(name: str, v, lo, hi):
-    if lo is not None and v < lo:
-        raise bad(name, f"must be >= {lo}, got {_shown(v)}")
-    if hi is not None and v > hi:
-        raise bad(name, f"must be <= {hi}, got {_shown(v)}")
-    return v
-
-
-def _shown(v: Any) -> str:
-    """A bad value for an error message, bounded in length (and cheap for huge integers)."""
-    if is_int(v) and v.bit_length() > 128:
-        return f"an integer of {v.bit_length()} bits"
-    r = json.dumps(v) if isinstance(v, (int, float, bool, type(None))) else ascii(v)
-    return r if len(r) <= 80 else r[:77] + "..."
-
-
-def get_bool(body: dict, name: str, default: bool = False) -> bool:
-    v = body.get(name)
-    if v is None:
-        return default
-    if not isinstance(v, bool):
-        raise bad(name, f"must be a boolean, got {_shown(v)}")
-    return v
-
-
-def get_str(body: dict, name: str, default: str | None = None,
-            nonempty: bool = False) -> str | None:
-    v = body.get(name)
-    if v is None:
-        return default
-    if not isinstance(v, str):
-        raise bad(name, f"must be a string, got {_shown(v)}")
-    if nonempty and not v:
-        raise bad(name, "must not be empty")
-    return v
-
-
-def get_stop(body: dict) -> list[str]:
-    v = body.get("stop")
-    if v is None:
-        return []
-    if isinstance(v, str):
-        v = [v]
-    if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
-        raise bad("stop", "must be a string or an array of strings")
-    if any(not s for s in v):
-        raise bad("stop", "stop strings must not be empty")
-    return v
-
-
-def _reject_unsupported(body: dict, chat: bool) -> None:
-    if not chat:
-        if get_bool(body, "echo"):
-            raise bad("echo", "is not supported")
-        if body.get("suffix") not in (None, ""):
-            raise bad("suffix", "is not supported")
-
-
-def get_logit_bias(body: dict) -> dict[int, float]:
-    """OpenAI's ``logit_bias``: {"token id as a string": bias in [-100, 100]}."""
-    v = body.get("logit_bias")
-    if v is None:
-        return {}
-    if not isinstance(v, dict):
-        raise bad("logit_bias", "must be an object mapping token ids to biases")
-    out: dict[int, float] = {}
-    for k, b in v.items():
-        if not (isinstance(k, str) and k.isascii() and k.isdigit() and len(k) <= 19):
-            raise bad("logit_bias", f"keys must be token ids (non-negative integers), got {k!r}")
-        if not _is_num(b) or not -100 <= b <= 100:
-            raise bad("logit_bias", f"biases must be numbers in [-100, 100], got {_shown(b)}")
-        out[int(k)] = float(b)
-    return out
-
-
-def get_response_format(body: dict) -> StructuredOutput | None:
-    """``response_format``: text (no constraint), json_object, or json_schema (strict or not:
-    the schema is enforced either way)."""
-    rf = body.get("response_format")
-    if rf is None:
-        return None
-    if not isinstance(rf, dict) or not isinstance(rf.get("type"), str):
-        raise bad("response_format", "must be an object with a 'type'")
-    kind = rf["type"]
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return StructuredOutput.json_object()
-    if kind != "json_schema":
-        raise bad("response_format", f"type must be text, json_object or json_schema, "
-                                     f"got {json.dumps(kind)}")
-    js = rf.get("json_schema")
-    if not isinstance(js, dict):
-        raise bad("response_format.json_schema", "must be an object with a 'schema'")
-    schema = js.get("schema")
-    if not isinstance(schema, dict):
-        raise bad("response_format.json_schema.schema", "must be a JSON schema object")
-    if js.get("strict") is not None and not isinstance(js["strict"], bool):
-        raise bad("response_format.json_schema.strict", "must be a boolean")
-    try:
-        return StructuredOutput.json_schema(schema)
-    except RequestError as e:
-        raise bad("response_format.json_schema.schema", e.message) from None
-
-
-# ---------------------------------------------------------------------- messages
-def normalize_messages(v: Any) -> list[dict]:
-    """Check chat messages and reduce each to ``{"role", "content"}`` with text content (plus
-    the tool fields: an assistant's ``tool_calls``, a tool result's ``tool_call_id``)."""
-    if not isinstance(v, list):
-        raise bad("messages", "must be an array of message objects")
-    if not v:
-        raise bad("messages", "must contain at least one message")
-    out = []
-    for i, m in enumerate(v):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise bad(where, "must be an object with 'role' and 'content'")
-        role = m.get("role")
-        if not isinstance(role, str) or not role:
-            raise bad(f"{where}.role", "must be a non-empty string")
-        if role not in ROLES:
-            raise bad(f"{where}.role", f"must be one of {', '.join(sorted(ROLES))}, got "
-                                       f"{_shown(role)}")
-        content = m.get("content")
-        if content is None:
-            if role != "assistant":
-                raise bad(f"{where}.content", "is required")
-            content = ""
-        elif isinstance(content, list):
-            parts = []
-            for j, part in enumerate(content):
-                if not isinstance(part, dict) or part.get("type") != "text" \
-                        or not isinstance(part.get("text"), str):
-                    raise bad(f"{where}.content[{j}]", "only text parts ({\"type\": \"text\", "
-                              "\"text\": ...}) are supported")
-                parts.append(part["text"])
-            content = "".join(parts)
-        elif not isinstance(content, str):
-            raise bad(f"{where}.content", "must be a string or an array of text parts")
-        try:
-            tools = tool_message_fields(m, where)
-        except RequestError as e:
-            raise APIError.from_request_error(e) from None
-        if role == "assistant" and isinstance(m.get("reasoning_content"), str):
-            tools["reasoning_content"] = m["reasoning_content"]  # DeepSeek: a tool loop's reasoning
-        out.append({"role": role, "content": content, **tools})
-    return out
-
-
-# ---------------------------------------------------------------------- requests
 @dataclass
 class ParsedRequest:
     kind: str  # "chat" | "completion"
@@ -350,6 +85,14 @@ def parse_prompt(v: Any) -> str | list[int]:
     if v is None:
         raise bad("prompt", "is required")
     raise bad("prompt", "must be a string or an array of integer token ids")
+
+
+def _reject_unsupported(body: dict, chat: bool) -> None:
+    if not chat:
+        if get_bool(body, "echo"):
+            raise bad("echo", "is not supported")
+        if body.get("suffix") not in (None, ""):
+            raise bad("suffix", "is not supported")
 
 
 def parse_request(body: dict, kind: str, defaults: dict | None = None) -> ParsedRequest:

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 from ..engine import LLMEngine
 from ..structured.spec import StructuredOutput
+from .api_error import APIError
 from .config import ServerConfig
 from .deepseek_encoding import DeepseekChat, DeepseekPromptBuilder, use_recipe
 from .prompts import BuiltPrompt, PromptBuilder
-from .protocol import APIError, ParsedRequest
+from .protocol import ParsedRequest
 from .shared_replies import SharedReplies
 from .tools import ToolCallStream, ToolOutput, ToolParser, number_calls, resolve_parser
 from .tools.answer_or_calls import AnswerOrCallsParser, answer_or_calls_grammar

@@ -11,8 +11,11 @@ thread: the tokenizer is not shared across threads.
 from __future__ import annotations
 
 from ..limits import is_int
+from .api_error import bad
 from .async_engine import AsyncEngine
-from .protocol import bad, get_bool, get_str, normalize_messages, tool_request
+from .chat_messages import normalize_messages
+from .protocol import tool_request
+from .request_fields import get_bool, get_str
 
 
 def tokenize(eng: AsyncEngine, body: dict) -> dict:

@@ -14,6 +14,11 @@ CHATML = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
+# HF -> GGUF names of a decoder layer's projections (llama.cpp's, for every architecture here)
+PROJECTIONS = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+               "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+               "mlp.down_proj": "ffn_down"}
+
 
 def random_llama(vocab_size: int = 300, seed: int = 0) -> LlamaForCausalLM:
     torch.manual_seed(seed)
@@ -22,8 +27,12 @@ def random_llama(vocab_size: int = 300, seed: int = 0) -> LlamaForCausalLM:
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
     )
-    model = LlamaForCausalLM(config).eval()
-    with torch.no_grad():  # norms start at 1.0: randomise so a wrong mapping cannot pass by luck
+    return randomise_norms(LlamaForCausalLM(config).eval())
+
+
+def randomise_norms(model):
+    """Norms start at 1.0: randomise them so that a wrong mapping cannot pass by luck."""
+    with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
@@ -67,15 +76,7 @@ def write_llama_gguf(model: LlamaForCausalLM, path: Path, architecture: str = "l
     c = model.config
     tokens, types, merges = byte_level_tokens()
     assert len(tokens) == c.vocab_size
-    w = GGUFWriter(str(path), architecture)
-    w.add_name("tiny-llama")
-    w.add_block_count(c.num_hidden_layers)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w = gguf_writer(path, architecture, "tiny-llama", c)
     w.add_rope_freq_base(10000.0)
     w.add_rope_dimension_count(c.hidden_size // c.num_attention_heads)
     w.add_vocab_size(c.vocab_size)
@@ -92,10 +93,7 @@ def write_llama_gguf(model: LlamaForCausalLM, path: Path, architecture: str = "l
     w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
     w.add_tensor("output_norm.weight", sd["model.norm.weight"])
     w.add_tensor("output.weight", sd["lm_head.weight"])
-    leaves = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-              "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-              "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-              "mlp.down_proj": "ffn_down"}
+    leaves = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", **PROJECTIONS}
     for i in range(c.num_hidden_layers):
         for hf, gg in leaves.items():
             tensor = sd[f"model.layers.{i}.{hf}.weight"]
@@ -104,6 +102,24 @@ def write_llama_gguf(model: LlamaForCausalLM, path: Path, architecture: str = "l
             elif gg == "attn_k":
                 tensor = llama_cpp_permute(tensor, c.num_key_value_heads)
             w.add_tensor(f"blk.{i}.{gg}.weight", np.ascontiguousarray(tensor))
+    return write_gguf(w, path)
+
+
+def gguf_writer(path: Path, architecture: str, name: str, c) -> GGUFWriter:
+    """A writer holding the shape keys every architecture here shares (``c``: the HF config)."""
+    w = GGUFWriter(str(path), architecture)
+    w.add_name(name)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    return w
+
+
+def write_gguf(w: GGUFWriter, path: Path) -> Path:
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -133,29 +149,16 @@ def random_gemma3(vocab_size: int, seed: int = 0):
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
         sliding_window=32, bos_token_id=2, eos_token_id=1, pad_token_id=0,
     )
-    model = Gemma3ForCausalLM(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(torch.randn_like(p) * 0.1)
-    return model
+    return randomise_norms(Gemma3ForCausalLM(config).eval())
 
 
 def write_gemma3_gguf(model, path: Path) -> Path:
     """The model as an F32 GGUF the way llama.cpp writes Gemma 3: norms stored as `w + 1`, no q/k permute."""
     c = model.config
     tokens, types = sentencepiece_tokens()
-    w = GGUFWriter(str(path), "gemma3")
-    w.add_name("tiny-gemma3")
-    w.add_block_count(c.num_hidden_layers)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
+    w = gguf_writer(path, "gemma3", "tiny-gemma3", c)
     w.add_key_length(c.head_dim)
     w.add_value_length(c.head_dim)
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_rope_freq_base(c.rope_parameters["full_attention"]["rope_theta"])
     w.add_sliding_window(c.sliding_window)
     w.add_tokenizer_model("llama")
@@ -174,16 +177,9 @@ def write_gemma3_gguf(model, path: Path) -> Path:
     w.add_tensor("output_norm.weight", sd["model.norm.weight"] + 1)
     leaves = {"input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
               "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm",
-              "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
-              "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-              "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-              "mlp.down_proj": "ffn_down"}
+              "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", **PROJECTIONS}
     for i in range(c.num_hidden_layers):
         for hf, gg in leaves.items():
             tensor = sd[f"model.layers.{i}.{hf}.weight"]
             w.add_tensor(f"blk.{i}.{gg}.weight", tensor + 1 if "norm" in gg else tensor)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+    return write_gguf(w, path)

@@ -5,9 +5,9 @@ from disk after a restart) gives the same greedy tokens and logits as no cache."
 import pytest
 import torch
 
+from reuse_checks import check_logits_after_a_hit, restart_hits_disk, save_tiny
 from test_deepseek_v41 import tiny_v41
 from test_window_reuse import GREEDY, check_accounting, ids, make
-from tiny_checkpoints import make_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -17,14 +17,7 @@ SMALL = dict(compress_ratios=[0, 2, 2, 2, 1], kv_source_layer_ids=[1, 4], index_
 
 @pytest.fixture(scope="module")
 def v41_path(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny_v41")
-    tok = make_tokenizer()
-    model = tiny_v41(vocab_size=len(tok), **SMALL)
-    model.config.eos_token_id = tok.convert_tokens_to_ids("<|im_end|>")
-    model.config.bos_token_id = tok.convert_tokens_to_ids("<|endoftext|>")
-    model.save_pretrained(path, safe_serialization=True)
-    tok.save_pretrained(path)
-    return path
+    return save_tiny(tmp_path_factory.mktemp("tiny_v41"), lambda vocab: tiny_v41(vocab_size=vocab, **SMALL))
 
 
 def test_only_full_layers_own_entry_pages(v41_path):
@@ -55,31 +48,9 @@ def test_shared_prefix_greedy_equal_no_cache(v41_path):
 
 
 def test_logits_after_a_hit_equal_no_cache(v41_path):
-    shared = ids(43, 5)  # the hit: 40 tokens, from the snapshot at 40
-    p1, p2 = shared + ids(13, 6), shared + ids(9, 7)
-    ref, _ = make(v41_path, enable_prefix_cache=False).engine.score([p2])[0]
-    engine = make(v41_path).engine
-    engine.score([p1])
-    logits, start = engine.score([p2])[0]
-    assert start == 40
-    assert (logits - ref[start:]).abs().max().item() <= 1e-5
+    check_logits_after_a_hit(v41_path)  # the hit: 40 tokens, from the snapshot at 40
 
 
 def test_restarted_engine_hits_disk_pages_and_snapshots(v41_path, tmp_path):
-    shared = ids(46, 15)  # the hit: 44 tokens; interval snapshots every 8
-    p1, p2 = shared + ids(7, 16), shared + ids(9, 17)
-    ref = make(v41_path, enable_prefix_cache=False).generate(p2, GREEDY)[0].token_ids
-
-    def restarted():
-        return make(v41_path, enable_disk_cache=True, disk_cache_dir=str(tmp_path))
-
-    first = restarted()
-    first.generate(p1, GREEDY)
-    assert first.engine.shutdown()
-    second = restarted()
-    o = second.generate(p2, GREEDY)[0]
-    check_accounting(o)
-    assert o.token_ids == ref
-    assert (o.num_cached_tokens, o.num_replayed_tokens) == (40, 4)
-    assert o.cached_tokens_by_tier["disk"] == 40
+    second = restart_hits_disk(v41_path, tmp_path)
     assert second.engine.shutdown()

@@ -5,23 +5,16 @@ pages), so greedy tokens and logits equal the no-cache ones; replayed tokens are
 import pytest
 import torch
 
+from reuse_checks import check_logits_after_a_hit, restart_hits_disk, save_tiny
 from test_deepseek_v4 import tiny_v4
 from test_window_reuse import GREEDY, PS, check_accounting, ids, make
-from tiny_checkpoints import make_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
 def v4_path(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny_v4")
-    tok = make_tokenizer()
-    model = tiny_v4(vocab_size=len(tok))
-    model.config.eos_token_id = tok.convert_tokens_to_ids("<|im_end|>")
-    model.config.bos_token_id = tok.convert_tokens_to_ids("<|endoftext|>")
-    model.save_pretrained(path, safe_serialization=True)
-    tok.save_pretrained(path)
-    return path
+    return save_tiny(tmp_path_factory.mktemp("tiny_v4"), lambda vocab: tiny_v4(vocab_size=vocab))
 
 
 def test_shared_prefix_greedy_equal_no_cache(v4_path):
@@ -47,14 +40,7 @@ def test_shared_prefix_greedy_equal_no_cache(v4_path):
 def test_logits_after_a_hit_equal_no_cache(v4_path, kw):
     """The hit ends inside CSA and HCA windows; without a snapshot there, the hit is replayed
     from 0 (a replay from a boundary would pool entries from an empty ring: off by ~1e-3)."""
-    shared = ids(43, 5)  # the hit: 40 tokens
-    p1, p2 = shared + ids(13, 6), shared + ids(9, 7)
-    ref, _ = make(v4_path, enable_prefix_cache=False).engine.score([p2])[0]
-    engine = make(v4_path, **kw).engine
-    engine.score([p1])
-    logits, start = engine.score([p2])[0]
-    assert start == 40  # cached + replayed
-    assert (logits - ref[start:]).abs().max().item() <= 1e-5
+    check_logits_after_a_hit(v4_path, **kw)
 
 
 def test_compressed_entries_are_packed_per_page(v4_path):
@@ -84,21 +70,6 @@ def test_multi_turn_chat_hits_turn_end_snapshots(v4_path):
 def test_restarted_engine_hits_disk_pages_and_snapshots(v4_path, tmp_path):
     """L3 holds the packed entry pages and the ring snapshots: a restarted engine sharing the
     directory restores both (no replay) and decodes the same tokens as no cache."""
-    shared = ids(46, 15)  # the hit: 44 tokens; interval snapshots every 8
-    p1, p2 = shared + ids(7, 16), shared + ids(9, 17)
-    ref = make(v4_path, enable_prefix_cache=False).generate(p2, GREEDY)[0].token_ids
-
-    def restarted():
-        return make(v4_path, enable_disk_cache=True, disk_cache_dir=str(tmp_path))
-
-    first = restarted()
-    first.generate(p1, GREEDY)
-    assert first.engine.shutdown()
-    second = restarted()
-    o = second.generate(p2, GREEDY)[0]
-    check_accounting(o)
-    assert o.token_ids == ref
-    assert (o.num_cached_tokens, o.num_replayed_tokens) == (40, 4)  # the snapshot at 40, a gap of 4
-    assert o.cached_tokens_by_tier["disk"] == 40
+    second = restart_hits_disk(v4_path, tmp_path)
     assert second.engine.stats()["window_snapshot_disk_hits"] == 1
     assert second.engine.shutdown()

@@ -8,6 +8,7 @@ import time
 
 import httpx
 import openai
+from hang_up import hang_up_mid_stream
 from server_helpers import start_server, wait_idle
 
 
@@ -34,20 +35,9 @@ def test_16_concurrent_streams_and_a_disconnect_frees_its_pages(server, aclient,
                 usage = c.usage
         return "".join(text), usage
 
-    async def leaver() -> int:
-        stream = await aclient.completions.create(
-            model=model_name, prompt=list(range(40, 140)), max_tokens=400, temperature=0,
-            stream=True, extra_body={"ignore_eos": True})
-        got = 0
-        async for _ in stream:
-            got += 1
-            if got == 3:
-                break
-        await stream.close()  # hang up mid-stream
-        return got
-
     async def main():
-        return await asyncio.gather(leaver(), *(one(i) for i in range(16)))
+        return await asyncio.gather(hang_up_mid_stream(aclient, model_name, 400),
+                                    *(one(i) for i in range(16)))
 
     got, *results = asyncio.run(main())
     assert got == 3

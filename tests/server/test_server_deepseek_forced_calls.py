@@ -10,8 +10,7 @@ import json
 import jsonschema
 import openai
 import pytest
-from deepseek_tiny import make_v4_checkpoint
-from server_helpers import start_server
+from v4_server import v4_server_fixtures
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -28,17 +27,7 @@ SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER,
 OFF = {"thinking": {"type": "disabled"}}  # the official API forces calls only without thinking
 
 
-@pytest.fixture(scope="module")
-def srv(tmp_path_factory):
-    s = start_server(make_v4_checkpoint(tmp_path_factory.mktemp("tiny_v4_forced")),
-                     engine_kw=dict(max_model_len=2048, max_num_batched_tokens=2048))
-    yield s
-    s.stop()
-
-
-@pytest.fixture(scope="module")
-def client(srv):
-    return openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+srv, client = v4_server_fixtures("tiny_v4_forced")
 
 
 def ask(srv, client, messages, choice, **kw):

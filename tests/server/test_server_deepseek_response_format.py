@@ -15,9 +15,9 @@ import json
 import jsonschema
 import openai
 import pytest
-from deepseek_tiny import SPECIALS, make_v4_checkpoint
-from server_helpers import start_server
+from deepseek_tiny import SPECIALS
 from transformers import AutoTokenizer
+from v4_server import v4_server_fixtures
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -35,17 +35,7 @@ WEATHER = {"type": "function", "function": {
 USER = [{"role": "user", "content": "What is the weather in Paris? Answer in JSON."}]
 
 
-@pytest.fixture(scope="module")
-def srv(tmp_path_factory):
-    s = start_server(make_v4_checkpoint(tmp_path_factory.mktemp("tiny_v4_format")),
-                     engine_kw=dict(max_model_len=2048, max_num_batched_tokens=2048))
-    yield s
-    s.stop()
-
-
-@pytest.fixture(scope="module")
-def client(srv):
-    return openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=600)
+srv, client = v4_server_fixtures("tiny_v4_format", timeout=600)
 
 
 @pytest.fixture(scope="module")

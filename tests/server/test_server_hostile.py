@@ -11,7 +11,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from server_helpers import start_server
 
-from deepinfer.server.protocol import APIError, parse_json_body, parse_request
+from deepinfer.server.api_error import APIError
+from deepinfer.server.json_body import parse_json_body
+from deepinfer.server.protocol import parse_request
 
 CHAT, COMP, EXPLAIN = "/v1/chat/completions", "/v1/completions", "/v1/cache/explain"
 MSGS = [{"role": "user", "content": "Say hi"}]

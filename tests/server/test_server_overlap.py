@@ -5,6 +5,7 @@ import asyncio
 
 import openai
 import torch
+from hang_up import hang_up_mid_stream
 from server_helpers import make_engine, no_lower_tiers, start_server, wait_idle
 
 from deepinfer.sampling_params import SamplingParams
@@ -31,19 +32,9 @@ def test_streams_match_offline_and_a_disconnect_frees_its_pages(tiny_llama):
                 extra_body={"ignore_eos": True})
             return "".join([c.choices[0].text async for c in stream if c.choices])
 
-        async def leaver() -> None:
-            stream = await client.completions.create(
-                model=model, prompt=list(range(40, 140)), max_tokens=300, temperature=0,
-                stream=True, extra_body={"ignore_eos": True})
-            got = 0
-            async for _ in stream:
-                got += 1
-                if got == 3:
-                    break
-            await stream.close()  # hang up mid-stream, a step in flight
-
-        async def main():
-            return await asyncio.gather(leaver(), *(one(p, k) for p in prompts for k in kinds))
+        async def main():  # the one hanging up does so with a step in flight
+            return await asyncio.gather(hang_up_mid_stream(client, model, 300),
+                                        *(one(p, k) for p in prompts for k in kinds))
 
         _, *got = asyncio.run(main())
         assert got == want

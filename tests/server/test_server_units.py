@@ -8,7 +8,8 @@ from transformers import AutoTokenizer
 
 from deepinfer.server.detokenize import TextStream
 from deepinfer.server.metrics import Histogram, ServerMetrics, render
-from deepinfer.server.protocol import APIError, parse_request
+from deepinfer.server.api_error import APIError
+from deepinfer.server.protocol import parse_request
 
 
 @pytest.fixture(scope="module")
