@@ -26,7 +26,8 @@ from fastapi.responses import JSONResponse, Response
 
 from ..server.boundary import CatchAll, read_json
 from ..server.anthropic import error_response, parse_messages_request
-from ..server.protocol import APIError, parse_request
+from ..server.api_error import APIError
+from ..server.protocol import parse_request
 from .config import RouterConfig
 from .events import follow
 from .index import PrefixIndex

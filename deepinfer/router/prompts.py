@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from ..chat import encode_text, render_text
 from ..config import EngineConfig
 from ..kv.hashing import chain_hashes, root_hash
-from ..server.protocol import APIError, ParsedRequest
+from ..server.api_error import APIError
+from ..server.protocol import ParsedRequest
 
 
 DEFAULT_PAGE_SIZE = EngineConfig.page_size

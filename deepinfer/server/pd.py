@@ -52,10 +52,12 @@ from ..log_limit import RateLimitedLog
 from .anthropic import parse_messages_request
 from .boundary import read_json
 from .async_engine import AsyncEngine
+from .api_error import APIError
 from .config import ServerConfig
 from .outputs import Delta, Submission
 from .pd_decode import PREFILL_FIELDS, PREFILL_HEADER, TRANSFER_HEADER
-from .protocol import APIError, ParsedRequest, get_str, parse_request
+from .protocol import ParsedRequest, parse_request
+from .request_fields import get_str
 
 log = logging.getLogger("deepinfer.server")
 T = TypeVar("T")
