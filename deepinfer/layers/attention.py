@@ -19,9 +19,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..forward_batch import ForwardBatch
+from ..forward_batch import ForwardBatch, PrefillSegment
 from .chunk_attention import prefix_then_causal, splits_at_prefix
-from .native_decode import decode_backend, native_decode
+from .native_decode import decode_backend, decode_rows, native_decode
 from .native_prefill import native_prefill, prefill_backend
 
 
@@ -105,6 +105,23 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     return torch.matmul(p, v.float()).to(q.dtype)
 
 
+# A chunk this short (a verify span, a short tail) runs row by row through the decode kernel, so
+# each row gets the bits a decode at its position gets: speculative greedy output then equals
+# plain greedy output in bf16 too (the small-row linears keep the other ops' bits for 1-16 rows).
+SPAN_AS_DECODES = 16
+
+
+def span_as_decodes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seg: PrefillSegment,
+                    scale: float, window: int | None) -> torch.Tensor:
+    """q [n, Hq, D] of one short chunk -> [n, Hq, Dv]: row j as the decode of position kv_len - n + j."""
+    n, dev = seg.q_len, q.device
+    lens = torch.arange(seg.kv_len - n + 1, seg.kv_len + 1, device=dev)
+    start = torch.full((n,), seg.kv_start, device=dev) if seg.kv_start else None
+    lo = torch.full((n,), seg.kv_lo, device=dev) if seg.kv_lo > 0 else None
+    return decode_rows(q, k_cache, v_cache, seg.pages[None].expand(n, -1).contiguous(), lens, start, lo,
+                       window, scale)
+
+
 def paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                     k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch,
                     scale: float, window: int | None = None, softcap: float | None = None,
@@ -116,6 +133,10 @@ def paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
         out[:nd] = decode_attention(q[:nd], k_cache, v_cache, batch, scale, window, softcap, sinks)
     for i, seg in enumerate(batch.prefills):
         sl = slice(seg.q_start, seg.q_start + seg.q_len)
+        if seg.q_len <= SPAN_AS_DECODES and \
+                decode_backend(q, k_cache, v_cache, batch, softcap, sinks) == "native":
+            out[sl] = span_as_decodes(q[sl], k_cache, v_cache, seg, scale, window)
+            continue
         qh = q[sl].transpose(0, 1)[None]
         # every earlier key visible (no window, not a ring view), plain softmax
         plain = window is None and seg.kv_start == 0 and seg.kv_lo <= 0 and softcap is None and sinks is None

@@ -46,6 +46,14 @@ def decode_backend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
 def native_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch,
                   scale: float, window: int | None) -> torch.Tensor:
     """q [B, Hq, D] of the batch's decodes -> [B, Hq, Dv], read from the pages in place."""
-    return torch.ops.deepinfer_attention.paged_decode(
-        q.contiguous(), k_cache, v_cache, batch.decode_pages, batch.decode_kv_lens, batch.decode_kv_start,
-        batch.decode_kv_lo, window, scale)
+    return decode_rows(q, k_cache, v_cache, batch.decode_pages, batch.decode_kv_lens, batch.decode_kv_start,
+                       batch.decode_kv_lo, window, scale)
+
+
+def decode_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pages: torch.Tensor,
+                kv_lens: torch.Tensor, kv_start: torch.Tensor | None, kv_lo: torch.Tensor | None,
+                window: int | None, scale: float) -> torch.Tensor:
+    """Row b of q [B, Hq, D] attends to keys [max(kv_start, kv_lo, kv_lens - window), kv_lens) of
+    its page table row; every row's bits depend only on its own inputs."""
+    return torch.ops.deepinfer_attention.paged_decode(q.contiguous(), k_cache, v_cache, pages, kv_lens, kv_start,
+                                                      kv_lo, window, scale)

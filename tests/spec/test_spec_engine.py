@@ -102,6 +102,18 @@ def test_greedy_with_speculation_equals_without(models, arch, spec):
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_bf16_greedy_with_speculation_equals_without(models, arch):
+    """A verify span's rows run as decodes (``layers/attention.span_as_decodes``): the same bits
+    as plain decoding, so bf16 greedy output is the same with speculation on, token for token."""
+    ps = prompts(3, 14, seed=4)
+    long = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+    ref = make(models[arch], dtype="bfloat16").generate(ps, long)
+    outs = make(models[arch], SPECS["ngram-k3"], dtype="bfloat16").generate(ps, long)
+    assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
+    assert sum(o.num_accepted_tokens for o in outs) > 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_multi_turn_hits_the_window_and_pages_of_a_speculated_turn(models, arch):
     first = prompts(1, 14, seed=2)[0]
     ref, llm = make(models[arch]), make(models[arch], SPECS["ngram-k3"])
