@@ -32,6 +32,6 @@ class AutoDrafter(TokenDrafter):
                 best, best_value = d, value
         return best
 
-    def observe(self, tokens: list[int]) -> None:
+    def observe(self, tokens: list[int], start: int = 0) -> None:
         for source in self.sources:
-            source.observe(tokens)
+            source.observe(tokens, start)

@@ -55,14 +55,18 @@ class TokenDrafter:
     def propose(self, tokens: list[int], k: int) -> Draft:
         raise NotImplementedError
 
-    def observe(self, tokens: list[int]) -> None:
-        """Learn from a finished sequence (sources without memory ignore it)."""
+    def observe(self, tokens: list[int], start: int = 0) -> None:
+        """Learn from a finished sequence's continuations at positions ``start`` on (sources
+        without memory ignore it)."""
 
     def propose_batch(self, items: list[tuple[Request, int]]) -> list[Draft]:
         return [self.propose(req.all_token_ids, k) for req, k in items]
 
     def finished(self, req: Request) -> None:
-        self.observe(req.all_token_ids)
+        # a prefix served from the cache was computed, and learnt, by an earlier request (an
+        # earlier turn): counting it again at every turn cost O(context) Python work on the
+        # engine thread per finished request and weighted old turns once per later turn
+        self.observe(req.all_token_ids, start=req.num_cached_tokens or 0)
 
 
 class NgramDrafter(TokenDrafter):
@@ -116,8 +120,8 @@ class SuffixDrafter(TokenDrafter):
         self.max_contexts = max_contexts
         self.next: OrderedDict[tuple[int, ...], Counter[int]] = OrderedDict()
 
-    def observe(self, tokens: list[int]) -> None:
-        for i in range(1, len(tokens)):
+    def observe(self, tokens: list[int], start: int = 0) -> None:
+        for i in range(max(1, start), len(tokens)):
             for n in range(1, min(self.max_n, i) + 1):
                 ctx = tuple(tokens[i - n : i])
                 counts = self.next.get(ctx)

@@ -53,3 +53,13 @@ def test_suffix_index_is_bounded():
     d.observe(list(range(100)))
     assert len(d.next) == 10
     assert d.propose([98], 1).tokens == [99]  # the most recent contexts stay
+
+
+def test_suffix_index_learns_only_past_the_cached_prefix():
+    """A finished request's cached prefix was learnt when it was computed: only the
+    continuations from ``start`` on are counted (contexts may reach back into the prefix)."""
+    d = SuffixDrafter(1, 2)
+    d.observe([1, 2, 3, 4], start=2)
+    assert d.propose([1], 1).tokens == []  # "1 -> 2" lies inside the prefix: not counted
+    assert d.propose([2], 1).tokens == [3] and d.propose([9, 1, 2], 2).tokens == [3, 4]
+    assert set(d.next) == {(2,), (1, 2), (3,), (2, 3)}
