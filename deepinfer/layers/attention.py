@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..forward_batch import ForwardBatch, PrefillSegment
+from ..forward_batch import ForwardBatch
 from .chunk_attention import prefix_then_causal, splits_at_prefix
 from .native_decode import decode_backend, decode_rows, native_decode
 from .native_prefill import native_prefill, prefill_backend
@@ -105,21 +105,11 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     return torch.matmul(p, v.float()).to(q.dtype)
 
 
-# A chunk this short (a verify span, a short tail) runs row by row through the decode kernel, so
-# each row gets the bits a decode at its position gets: speculative greedy output then equals
-# plain greedy output in bf16 too (the small-row linears keep the other ops' bits for 1-16 rows).
+# A chunk this short (a verify span, a short tail) runs row by row through the decode kernel
+# (``ForwardBatch.span_rows``), so each row gets the bits a decode at its position gets:
+# speculative greedy output then equals plain greedy output in bf16 too (the small-row linears
+# keep the other ops' bits for 1-16 rows).
 SPAN_AS_DECODES = 16
-
-
-def span_as_decodes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seg: PrefillSegment,
-                    scale: float, window: int | None) -> torch.Tensor:
-    """q [n, Hq, D] of one short chunk -> [n, Hq, Dv]: row j as the decode of position kv_len - n + j."""
-    n, dev = seg.q_len, q.device
-    lens = torch.arange(seg.kv_len - n + 1, seg.kv_len + 1, device=dev)
-    start = torch.full((n,), seg.kv_start, device=dev) if seg.kv_start else None
-    lo = torch.full((n,), seg.kv_lo, device=dev) if seg.kv_lo > 0 else None
-    return decode_rows(q, k_cache, v_cache, seg.pages[None].expand(n, -1).contiguous(), lens, start, lo,
-                       window, scale)
 
 
 def paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
@@ -135,7 +125,7 @@ def paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
         sl = slice(seg.q_start, seg.q_start + seg.q_len)
         if seg.q_len <= SPAN_AS_DECODES and \
                 decode_backend(q, k_cache, v_cache, batch, softcap, sinks) == "native":
-            out[sl] = span_as_decodes(q[sl], k_cache, v_cache, seg, scale, window)
+            out[sl] = decode_rows(q[sl], k_cache, v_cache, *batch.span_rows(i), window, scale)
             continue
         qh = q[sl].transpose(0, 1)[None]
         # every earlier key visible (no window, not a ring view), plain softmax
