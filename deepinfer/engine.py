@@ -41,6 +41,7 @@ from .sampling_params import SamplingParams
 from .scheduler import Scheduler
 from .scoring import score_prompts
 from .spec.step import build_decoder, emit_verified
+from .stopping import StopRules
 from .threads import apply_thread_policy
 
 if TYPE_CHECKING:
@@ -82,6 +83,7 @@ class LLMEngine:
         self.tiers = build_tiers(config, self.runner.pool, self.model_identity)
         self.kv = build_cache_manager(config, self.runner.device_kv, self.model_identity, self.tiers)
         self.scheduler = Scheduler(config, self.kv)
+        self.stop_rules = StopRules(self.tokenizer, self.eos_token_ids, self.max_model_len)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self.failed_requests = 0  # requests ended by an exception in their own work
@@ -369,35 +371,13 @@ class LLMEngine:
         return child
 
     def _check_stop(self, req: Request) -> None:
-        p, tok = req.params, req.output_token_ids[-1]
-        if req.grammar is not None and req.grammar.terminated:
-            req.stop_reason = tok
-            self.scheduler.finish(req, "stop")
-        elif (not p.ignore_eos and tok in self.eos_token_ids) or tok in p.stop_token_ids:
-            req.stop_reason = tok
-            self.scheduler.finish(req, "stop")
-        elif p.stop and (hit := self._stop_string(req)) is not None:
-            req.stop_reason = hit
-            self.scheduler.finish(req, "stop")
-        elif len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
-            self.scheduler.finish(req, "length")
-
-    def _stop_string(self, req: Request) -> str | None:
-        # A stop string can only end in the newest token (an earlier one would have stopped
-        # the request already): decode just enough tail tokens, once, to see the longest.
-        n = min(len(req.output_token_ids), max(map(len, req.params.stop)) + 4)
-        tail = self.tokenizer.decode(req.output_token_ids[-n:], skip_special_tokens=False)
-        return next((s for s in req.params.stop if s in tail), None)
+        reason = self.stop_rules.finish_reason(req)
+        if reason is not None:
+            self.scheduler.finish(req, reason)
 
     # ------------------------------------------------------------------ outputs
     def output_text(self, req: Request) -> str:
-        """Generated text, cut before a matched stop string (which is not returned)."""
-        text = self.tokenizer.decode(req.output_token_ids, skip_special_tokens=True)
-        if isinstance(req.stop_reason, str):
-            cut = text.find(req.stop_reason)
-            if cut >= 0:
-                text = text[:cut]
-        return text
+        return self.stop_rules.output_text(req)
 
     def make_output(self, req: Request) -> RequestOutput:
         return request_output(req, self.output_text(req))
