@@ -50,10 +50,13 @@ def test_tool_call_parsed_nonstreamed_and_streamed(tclient):
         model="m", messages=start_messages(), tools=TOOLS, temperature=0, max_tokens=40,
         stream=True))
     deltas = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
-    # the header first (index, id, name), then argument fragments as the model writes them
+    # the header first (index, id, name), then argument fragments as the model writes them;
+    # how many depends on timing (a reader that falls behind, or a speculative step's several
+    # tokens, gets merged deltas), so fragmenting itself is tested on ToolCallStream
+    # (test_tool_parsers.py)
     assert deltas[0].index == 0 and deltas[0].id.startswith("call_")
     assert deltas[0].function.name == "search"
-    assert len(deltas) > 1 and all(d.index == 0 and d.id is None for d in deltas[1:])
+    assert all(d.index == 0 and d.id is None for d in deltas[1:])
     assert "".join(d.function.arguments for d in deltas) == call.function.arguments
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ""
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
