@@ -228,7 +228,8 @@ class ModelRunner:
         copy: ``logits`` stays as it was), then the sampler."""
         edited = any(r.params.logit_bias or r.params.penalized or r.grammar is not None
                      for r in reqs)
-        logits = logits.float().clone() if edited else logits.float()
+        if edited:
+            logits = logits.float().clone()
         biased = [i for i, r in enumerate(reqs) if r.params.logit_bias]
         if biased:
             apply_logit_bias(logits, biased, [reqs[i].params for i in biased])

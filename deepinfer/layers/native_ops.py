@@ -30,3 +30,12 @@ def small_ops_kernel() -> NativeExtension:
 def small_ops_apply(x: torch.Tensor) -> bool:
     """Whether the native small ops compute on ``x``."""
     return x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and small_ops_kernel().loaded
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """Each row's ``torch.argmax`` (the first largest value; a NaN counts as largest) of
+    ``x`` [rows, V]: one native pass where the small ops apply, so a bf16 row needs no float32
+    copy first."""
+    if x.dim() == 2 and x.shape[1] > 0 and x.stride(1) == 1 and small_ops_apply(x):
+        return torch.ops.deepinfer_ops.argmax_rows(x)
+    return x.argmax(dim=-1)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from ..sampling_params import SamplingParams
+from .native_ops import argmax_rows
 
 
 @dataclass
@@ -37,18 +38,19 @@ class SampleResult:
 
 def sample(logits: torch.Tensor, params: list[SamplingParams],
            generators: list[torch.Generator | None]) -> SampleResult:
-    logits = logits.float()
-    tokens = logits.argmax(dim=-1)
+    """``logits`` in the model's dtype or float32; widened to float32 only for the rows that
+    sample and for log-probs (a greedy bf16 row's argmax is the same on its bf16 values)."""
+    tokens = argmax_rows(logits)
     random_rows = [i for i, p in enumerate(params) if not p.greedy]
     if random_rows:
         rows = torch.tensor(random_rows, device=logits.device)
-        probs = filtered_probs(logits[rows], [params[i] for i in random_rows])
+        probs = filtered_probs(logits[rows].float(), [params[i] for i in random_rows])
         for j, i in enumerate(random_rows):
             tokens[i] = torch.multinomial(probs[j], 1, generator=generators[i])[0]
     token_list = tokens.tolist()
     if all(p.logprobs is None and p.num_samples == p.n for p in params):  # best_of ranks by logprob
         return SampleResult(token_list, None, None)
-    logp = torch.log_softmax(logits, dim=-1)
+    logp = torch.log_softmax(logits.float(), dim=-1)
     chosen = logp.gather(1, tokens[:, None])[:, 0].tolist()
     top: list[list[tuple[int, float]]] = []
     for i, p in enumerate(params):

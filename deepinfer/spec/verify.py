@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import torch
 
+from ..layers.native_ops import argmax_rows
 from ..layers.sampler import filtered_probs
 from ..sampling_params import SamplingParams
 
 
 def verify_greedy(logits: torch.Tensor, draft: list[int]) -> list[int]:
-    target = logits.argmax(dim=-1).tolist()
+    target = argmax_rows(logits).tolist()
     out: list[int] = []
     for d, t in zip(draft, target):
         if d != t:

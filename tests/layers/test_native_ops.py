@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from deepinfer import native_build
 from deepinfer.layers import norm, rotary
-from deepinfer.layers.native_ops import small_ops_apply, small_ops_kernel
+from deepinfer.layers.native_ops import argmax_rows, small_ops_apply, small_ops_kernel
 from deepinfer.layers.norm import RMSNorm
 from deepinfer.layers.rotary import RotaryEmbedding
 from native_helpers import loaded
@@ -126,3 +126,24 @@ def test_disabled_build_leaves_torch_code(monkeypatch):
 def test_position_beyond_the_table_is_an_error(kernel):
     with pytest.raises(RuntimeError, match="beyond the rotary table"):
         _rotary()(torch.tensor([5000]), torch.randn(1, 2, 64))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [1, 7, 16, 49152, 50257])
+def test_argmax_rows_is_torch_argmax(kernel, dtype, vocab):
+    """Ties (common in bf16), all -inf rows, NaNs (the first one wins, as in torch), rows that
+    are views with a stride past their length, and vocabularies that leave a tail."""
+    g = torch.Generator().manual_seed(vocab)
+    x = torch.randn(12, vocab + 5, generator=g).to(dtype)[:, :vocab]  # strided rows
+    x[1] = x[1].round()  # many exact ties
+    x[2] = float("-inf")
+    x[3, vocab // 2] = float("nan")
+    x[4, -1] = float("nan")
+    x[4, 0] = float("nan") if vocab > 3 else x[4, 0]
+    x[5] = 0.0
+    x[6, vocab // 3] = x[6].max() + 1
+    x[7, -1] = x[7].max() + 1  # the largest in the tail
+    x[8, -(vocab % 8 or 8):] = x[8].max()  # ties across the vectors and the tail
+    got = argmax_rows(x)
+    assert torch.equal(got, x.argmax(dim=-1))
+    assert torch.equal(argmax_rows(x[:1]), x[:1].argmax(dim=-1))

@@ -12,11 +12,16 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <string>
 #include <tuple>
 #include <vector>
+
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -141,6 +146,82 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
   return {sum, out};
 }
 
+// Each row's largest value's index, as torch.argmax gives it: the first of equal largest values,
+// and a NaN counts as largest (the first NaN wins). A greedy step reads one per sequence from
+// [rows, vocab] logits; torch's argmax takes them one element at a time, and a bf16 row first
+// costs a float32 copy of the logits.
+#ifdef __AVX2__
+inline __m256 load8f(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8f(const at::BFloat16* p) {
+  __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+#endif
+
+template <typename S>
+int64_t argmax_row(const S* x, int64_t V) {
+  int64_t best = 0, i = 0;
+  float top = static_cast<float>(x[0]);
+#ifdef __AVX2__
+  if (V >= 16) {  // per lane: the first largest value; a strict > keeps the earlier index on ties
+    __m256 vbest = load8f(x);
+    __m256i vidx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    __m256i cur = vidx;
+    __m256 nan = _mm256_cmp_ps(vbest, vbest, _CMP_UNORD_Q);
+    const __m256i step = _mm256_set1_epi32(8);
+    for (i = 8; i + 8 <= V; i += 8) {
+      cur = _mm256_add_epi32(cur, step);
+      const __m256 v = load8f(x + i);
+      const __m256 gt = _mm256_cmp_ps(v, vbest, _CMP_GT_OQ);
+      nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+      vbest = _mm256_blendv_ps(vbest, v, gt);
+      vidx = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(vidx), _mm256_castsi256_ps(cur), gt));
+    }
+    if (_mm256_movemask_ps(nan)) {  // rare: the first NaN, scanned for
+      for (int64_t j = 0; j < V; ++j)
+        if (std::isnan(static_cast<float>(x[j]))) return j;
+    }
+    alignas(32) float vals[8];
+    alignas(32) int32_t idx[8];
+    _mm256_store_ps(vals, vbest);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(idx), vidx);
+    top = vals[0], best = idx[0];
+    for (int l = 1; l < 8; ++l)
+      if (vals[l] > top || (vals[l] == top && idx[l] < best)) top = vals[l], best = idx[l];
+  } else {
+    i = 1;
+  }
+#else
+  i = 1;
+#endif
+  for (; i < V; ++i) {  // the tail comes after every index above: only a larger value wins
+    const float v = static_cast<float>(x[i]);
+    if (std::isnan(v)) {
+      for (int64_t j = 0; j <= i; ++j)
+        if (std::isnan(static_cast<float>(x[j]))) return j;
+    }
+    if (v > top) top = v, best = i;
+  }
+  return std::isnan(top) ? 0 : best;
+}
+
+at::Tensor argmax_rows(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && float_or_bf16(x) && x.stride(1) == 1 && x.size(1) > 0,
+              "x must be float32 or bf16 [rows, V] with dense rows");
+  const int64_t R = x.size(0), V = x.size(1), stride = x.stride(0);
+  at::Tensor out = at::empty({R}, x.options().dtype(at::kLong));
+  int64_t* op = out.data_ptr<int64_t>();
+  const int64_t grain = std::max<int64_t>(1, 65536 / V);  // a task of at least ~64K values
+  on_dtype(x, [&](auto tag) {
+    using S = decltype(tag);
+    const S* xp = x.data_ptr<S>();
+    at::parallel_for(0, R, grain, [&](int64_t lo, int64_t hi) {
+      for (int64_t r = lo; r < hi; ++r) op[r] = argmax_row(xp + r * stride, V);
+    });
+  });
+  return out;
+}
+
 std::string isa() {
 #ifdef __AVX2__
   return "avx2";
@@ -155,8 +236,10 @@ TORCH_LIBRARY(deepinfer_ops, m) {
   m.def("rotate(Tensor x, Tensor cos, Tensor sin, Tensor positions) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def("argmax_rows(Tensor x) -> Tensor");
   m.def("isa() -> str", &isa);
   m.impl("rotate", c10::DispatchKey::CPU, TORCH_FN(rotate));
   m.impl("rms_norm", c10::DispatchKey::CPU, TORCH_FN(rms_norm));
   m.impl("add_rms_norm", c10::DispatchKey::CPU, TORCH_FN(add_rms_norm));
+  m.impl("argmax_rows", c10::DispatchKey::CPU, TORCH_FN(argmax_rows));
 }
