@@ -14,6 +14,9 @@
 // Caches in float32 or bfloat16 (q and output in the same dtype); K and V may be views of one
 // buffer (MLA: values are the leading part of each cached key), only the last dim must be dense.
 // The vector code (scalar, AVX2, AVX-512, AVX512-BF16) is in attention_math.h.
+//
+// paged_span: the rows of one sequence's short chunk (a speculative verify span), each row with
+// a decode's bits, the context read once for all of them (paged_span.h).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -26,6 +29,7 @@
 #include <vector>
 
 #include "paged_block.h"
+#include "paged_span.h"
 
 namespace {
 
@@ -92,19 +96,38 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   });
 }
 
-at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                        const at::Tensor& pages, const at::Tensor& kv_lens, const std::optional<at::Tensor>& kv_start,
-                        const std::optional<at::Tensor>& kv_lo, std::optional<int64_t> window, double scale) {
-  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be a contiguous [B, Hq, D] tensor");
+void check_inputs(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache) {
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "q must be a contiguous [rows, Hq, D] tensor");
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.dim() == 4, "caches must be [num_pages, page_size, kv_heads, dim]");
   TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16, "q must be float32 or bfloat16");
   TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
               "q and the caches must have one dtype");
   TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.stride(3) == 1, "the caches' last dim must be dense");
   TORCH_CHECK(k_cache.sizes().slice(0, 3) == v_cache.sizes().slice(0, 3), "K and V caches differ in pages or heads");
-  const int64_t B = q.size(0), Hq = q.size(1), Hkv = k_cache.size(2), S = k_cache.size(1);
   TORCH_CHECK(k_cache.size(3) == q.size(2), "q and K differ in head dim");
-  TORCH_CHECK(Hq % Hkv == 0, "q heads must be a multiple of kv heads");
+  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "q heads must be a multiple of kv heads");
+}
+
+// The first key a row ending at position hi - 1 sees (the torch path's mask).
+int64_t visible_from(int64_t first, int64_t low, int64_t hi, std::optional<int64_t> window) {
+  const int64_t lo = std::max(first, low);
+  return window ? std::max(lo, hi - *window) : lo;
+}
+
+// Row b's keys [lo, hi) lie in its page table (width entries, the first at position `first`).
+void check_table(const int64_t* table, int64_t width, int64_t first, int64_t lo, int64_t hi, int64_t S,
+                 int64_t num_pages, int64_t b) {
+  if (hi <= lo) return;
+  TORCH_CHECK(hi - first <= width * S, "row ", b, ": ", hi - first, " keys but a page table of ", width, " pages");
+  for (int64_t p = (lo - first) / S; p <= (hi - 1 - first) / S; ++p)
+    TORCH_CHECK(table[p] >= 0 && table[p] < num_pages, "row ", b, ": page id out of range");
+}
+
+at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                        const at::Tensor& pages, const at::Tensor& kv_lens, const std::optional<at::Tensor>& kv_start,
+                        const std::optional<at::Tensor>& kv_lo, std::optional<int64_t> window, double scale) {
+  check_inputs(q, k_cache, v_cache);
+  const int64_t B = q.size(0), Hq = q.size(1), S = k_cache.size(1);
   TORCH_CHECK(pages.dim() == 2 && pages.size(0) == B && pages.scalar_type() == at::kLong && pages.is_contiguous(),
               "pages must be a contiguous int64 [B, max_pages] tensor");
   auto check_row = [B](const at::Tensor& t, const char* what) {
@@ -116,19 +139,13 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
   const int64_t* start = kv_start ? check_row(*kv_start, "kv_start") : nullptr;
   const int64_t* low = kv_lo ? check_row(*kv_lo, "kv_lo") : nullptr;
   const int64_t* table = pages.data_ptr<int64_t>();
-  const int64_t width = pages.size(1), num_pages = k_cache.size(0);
+  const int64_t width = pages.size(1);
   std::vector<Item> items;
   std::vector<int64_t> first_item(B + 1, 0);
   for (int64_t b = 0; b < B; ++b) {
-    const int64_t first = start ? start[b] : 0;
-    int64_t lo = std::max(first, low ? low[b] : int64_t{0});
-    if (window) lo = std::max(lo, lens[b] - *window);
-    const int64_t hi = lens[b];
-    if (hi > lo) {
-      TORCH_CHECK(hi - first <= width * S, "row ", b, ": ", hi - first, " keys but a page table of ", width, " pages");
-      for (int64_t p = (lo - first) / S; p <= (hi - 1 - first) / S; ++p)
-        TORCH_CHECK(table[b * width + p] >= 0 && table[b * width + p] < num_pages, "row ", b, ": page id out of range");
-    }
+    const int64_t first = start ? start[b] : 0, hi = lens[b];
+    const int64_t lo = visible_from(first, low ? low[b] : 0, hi, window);
+    check_table(table + b * width, width, first, lo, hi, S, k_cache.size(0), b);
     for (int64_t begin = lo; begin < hi; begin += kSplit) items.push_back({b, begin, std::min(hi, begin + kSplit)});
     first_item[b + 1] = static_cast<int64_t>(items.size());
   }
@@ -137,6 +154,32 @@ at::Tensor paged_decode(const at::Tensor& q, const at::Tensor& k_cache, const at
     run<float>(q, k_cache, v_cache, pages, items, first_item, start, static_cast<float>(scale), out);
   else
     run<bf16>(q, k_cache, v_cache, pages, items, first_item, start, static_cast<float>(scale), out);
+  return out;
+}
+
+// The R rows of q [R, Hq, D] are one sequence's consecutive positions kv_len - R .. kv_len - 1,
+// row r seeing what a decode at its position sees (paged_span.h): keys up to its own, from
+// max(kv_start, kv_lo, its length - window), through the one page table `pages` [max_pages].
+at::Tensor paged_span(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                      const at::Tensor& pages, int64_t kv_len, int64_t kv_start, int64_t kv_lo,
+                      std::optional<int64_t> window, double scale) {
+  check_inputs(q, k_cache, v_cache);
+  TORCH_CHECK(pages.dim() == 1 && pages.scalar_type() == at::kLong && pages.is_contiguous(),
+              "pages must be a contiguous int64 [max_pages] tensor");
+  const int64_t R = q.size(0);
+  TORCH_CHECK(kv_len >= R, "a span of ", R, " rows needs kv_len >= ", R, ", got ", kv_len);
+  const int64_t* table = pages.data_ptr<int64_t>();
+  std::vector<SpanRow> rows(R);
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t hi = kv_len - R + 1 + r;
+    rows[r] = {visible_from(kv_start, kv_lo, hi, window), hi};
+    check_table(table, pages.size(0), kv_start, rows[r].lo, hi, k_cache.size(1), k_cache.size(0), r);
+  }
+  at::Tensor out = at::empty({R, q.size(1), v_cache.size(3)}, q.options());
+  if (q.scalar_type() == at::kFloat)
+    run_span<float>(q, k_cache, v_cache, table, kv_start, rows, static_cast<float>(scale), kMinParallel, out);
+  else
+    run_span<bf16>(q, k_cache, v_cache, table, kv_start, rows, static_cast<float>(scale), kMinParallel, out);
   return out;
 }
 
@@ -158,6 +201,9 @@ std::string isa() {
 TORCH_LIBRARY(deepinfer_attention, m) {
   m.def("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor pages, Tensor kv_lens, Tensor? kv_start, "
         "Tensor? kv_lo, int? window, float scale) -> Tensor");
+  m.def("paged_span(Tensor q, Tensor k_cache, Tensor v_cache, Tensor pages, int kv_len, int kv_start, int kv_lo, "
+        "int? window, float scale) -> Tensor");
   m.def("isa() -> str", &isa);
   m.impl("paged_decode", c10::DispatchKey::CPU, TORCH_FN(paged_decode));
+  m.impl("paged_span", c10::DispatchKey::CPU, TORCH_FN(paged_span));
 }
