@@ -84,16 +84,10 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
       attend_chunk(it, kv, qp + (it.b * Hq + h * G) * D, G, scale, part.data() + w * G * row, qf, sc, cs);
     }
   });
-  T* op = out.data_ptr<T>();
-  at::parallel_for(0, B * Hkv, grain == 1 ? 16 : std::max<int64_t>(1, B * Hkv), [&](int64_t lo, int64_t hi) {
-    std::vector<float> acc(Dv);
-    for (int64_t w = lo; w < hi; ++w) {
-      const int64_t b = w / Hkv, h = w % Hkv;
-      for (int64_t g = 0; g < G; ++g)
-        merge_chunks(part.data() + ((first_item[b] * Hkv + h) * G + g) * row, Hkv * G * row,
-                     first_item[b + 1] - first_item[b], Dv, acc.data(), op + (b * Hq + h * G + g) * Dv);
-    }
-  });
+  merge_rows(B, Hkv, G, Dv, grain == 1 ? 16 : std::max<int64_t>(1, B * Hkv), [&](int64_t b, int64_t h) {
+    return std::make_tuple(part.data() + (first_item[b] * Hkv + h) * G * row, Hkv * G * row,
+                           first_item[b + 1] - first_item[b]);
+  }, out.data_ptr<T>());
 }
 
 void check_inputs(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache) {

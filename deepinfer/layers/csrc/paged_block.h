@@ -8,11 +8,14 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <tuple>
+#include <vector>
 
 #include "attention_math.h"
 
@@ -121,6 +124,21 @@ inline void merge_chunks(const float* part, int64_t stride, int64_t count, int64
   }
   const float inv = l > 0.f ? 1.f / l : 0.f;
   for (int64_t d = 0; d < Dv; ++d) out[d] = static_cast<T>(acc[d] * inv);
+}
+
+// out [rows, Hkv * G, Dv]: each row's heads merged from their chunk partials, where
+// chunks(r, h) = (row r's first partial for the first q head of kv head h, the stride between its
+// chunks, their count); the G heads' partials follow each other (Dv + 2 floats apart).
+template <typename T, typename Chunks>
+void merge_rows(int64_t rows, int64_t Hkv, int64_t G, int64_t Dv, int64_t grain, Chunks&& chunks, T* out) {
+  at::parallel_for(0, rows * Hkv, grain, [&](int64_t lo, int64_t hi) {
+    std::vector<float> acc(Dv);
+    for (int64_t w = lo; w < hi; ++w) {
+      const auto [part, stride, count] = chunks(w / Hkv, w % Hkv);
+      for (int64_t g = 0; g < G; ++g)
+        merge_chunks(part + g * (Dv + 2), stride, count, Dv, acc.data(), out + (w * G + g) * Dv);
+    }
+  });
 }
 
 }  // namespace deepinfer_attention

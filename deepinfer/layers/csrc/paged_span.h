@@ -92,16 +92,9 @@ void run_span(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& 
                         krow, vrow);
     }
   });
-  T* op = out.data_ptr<T>();
-  at::parallel_for(0, R * Hkv, grain == 1 ? 16 : std::max<int64_t>(1, R * Hkv), [&](int64_t lo, int64_t hi) {
-    std::vector<float> acc(Dv);
-    for (int64_t w = lo; w < hi; ++w) {
-      const int64_t r = w / Hkv, h = w % Hkv;
-      for (int64_t g = 0; g < G; ++g)
-        merge_chunks(part.data() + ((h * R + r) * G + g) * row, Hkv * R * G * row, rows[r].chunks(), Dv, acc.data(),
-                     op + (r * Hq + h * G + g) * Dv);
-    }
-  });
+  merge_rows(R, Hkv, G, Dv, grain == 1 ? 16 : std::max<int64_t>(1, R * Hkv), [&](int64_t r, int64_t h) {
+    return std::make_tuple(part.data() + (h * R + r) * G * row, Hkv * R * G * row, rows[r].chunks());
+  }, out.data_ptr<T>());
 }
 
 }  // namespace deepinfer_attention
