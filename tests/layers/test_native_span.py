@@ -95,16 +95,18 @@ def test_values_inside_keys_mla(kernel):
     assert torch.equal(got, native_decode(q, cache, cache[..., :r], _as_decodes(seg, 4), 0.15, None))
 
 
-def test_same_bits_on_any_thread_count(kernel, threads):
+@pytest.mark.parametrize("kv_len", [300, 2700])  # 300: two chunks per head, rows split among threads
+def test_same_bits_on_any_thread_count(kernel, threads, kv_len):
     g = torch.Generator().manual_seed(3)
     k_cache, v_cache = torch.randn(300, 16, 3, 64, generator=g), torch.randn(300, 16, 3, 64, generator=g)
-    seg = _segment(2700, 9, 0, 0, 300, 16, g)
+    seg = _segment(kv_len, 9, 0, 0, 300, 16, g)
     q = torch.randn(9, 9, 64, generator=g)
     outs = []
     for n in (1, 2, 3):
         threads(n)
         outs.append(paged_attention(q, q, q, k_cache, v_cache, _as_span(seg, 16), 0.125, None))
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    assert torch.equal(outs[0], native_decode(q, k_cache, v_cache, _as_decodes(seg, 16), 0.125, None))
 
 
 def test_bad_page_table_is_an_error(kernel):
