@@ -3,7 +3,13 @@
 kernel reading the pages in place, interleaved call by call in one process (best of ``--reps``
 per side), per batch size and context.
 
+``--spans 2 5 9``: instead, B consecutive rows of one sequence (a verify span) through the span
+kernel (``paged_span``: each K/V block read once for all rows) vs the same rows as B decode rows
+(``paged_decode``, the path before it: every row reads the whole context) and a 1-row decode,
+interleaved, median of ``--reps`` per side; both give the same bits (asserted).
+
     python benchmarks/decode_attention.py [--batches 1 8 32] [--contexts 128 2700] [--threads 2]
+    python benchmarks/decode_attention.py --spans 2 3 5 9 --contexts 2048 --dtypes bfloat16
 
 Prints the CPU model with the results; one layer's time x 30 is what a SmolLM2 step spends on it.
 """
@@ -14,6 +20,8 @@ import deepinfer  # noqa: F401  (first: sets the OpenMP wait policy before torch
 
 import argparse
 import json
+import os
+import statistics
 import time
 
 import torch
@@ -55,6 +63,33 @@ def measure(batch: int, context: int, reps: int, dtype: torch.dtype) -> dict:
             "speedup": best["torch"] / best["native"]}
 
 
+def measure_span(rows: int, context: int, reps: int, dtype: torch.dtype) -> dict:
+    g = torch.Generator().manual_seed(rows)
+    num_pages = -(-context // PAGE)
+    k = torch.randn(num_pages, PAGE, HKV, DIM, generator=g).to(dtype)
+    v = torch.randn(num_pages, PAGE, HKV, DIM, generator=g).to(dtype)
+    q = torch.randn(rows, HQ, DIM, generator=g).to(dtype)
+    pages = torch.randperm(num_pages, generator=g)
+    lens = torch.arange(context - rows + 1, context + 1)
+    table = pages[None].expand(rows, -1).contiguous()
+    ops, scale = torch.ops.deepinfer_attention, DIM ** -0.5
+    sides = {"span": lambda: ops.paged_span(q, k, v, pages, context, 0, 0, None, scale),
+             "rows": lambda: ops.paged_decode(q, k, v, table, lens, None, None, None, scale),
+             "decode1": lambda: ops.paged_decode(q[-1:], k, v, table[-1:], lens[-1:], None, None, None, scale)}
+    assert torch.equal(sides["span"](), sides["rows"]())
+    times: dict[str, list[float]] = {s: [] for s in sides}
+    for _ in range(reps):
+        for side, call in sides.items():
+            t0 = time.perf_counter()
+            call()
+            times[side].append(time.perf_counter() - t0)
+    med = {s: statistics.median(t) for s, t in times.items()}
+    return {"rows": rows, "context": context, "dtype": str(dtype).removeprefix("torch."),
+            "span_ms": med["span"] * 1e3, "rows_ms": med["rows"] * 1e3, "decode1_ms": med["decode1"] * 1e3,
+            "rows_over_span": med["rows"] / med["span"], "span_over_decode1": med["span"] / med["decode1"],
+            "rows_over_decode1": med["rows"] / med["decode1"]}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
@@ -62,6 +97,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--dtypes", nargs="+", default=["float32"], choices=["float32", "bfloat16"])
+    p.add_argument("--spans", type=int, nargs="+", default=[], help="span rows to time (instead of batches)")
     args = p.parse_args()
     kernel = native_decode_kernel()
     if not kernel.loaded:
@@ -69,10 +105,12 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     for dtype in args.dtypes:
         for c in args.contexts:
-            for b in args.batches:
-                print(json.dumps(measure(b, c, args.reps, getattr(torch, dtype))), flush=True)
-    print(f"CPU: {lscpu_model()}, {args.threads} thread(s), kernel {kernel.isa}; one layer, best of "
-          f"{args.reps} interleaved calls per side")
+            for b in args.spans or args.batches:
+                run = measure_span if args.spans else measure
+                print(json.dumps(run(b, c, args.reps, getattr(torch, dtype))), flush=True)
+    print(f"CPU: {lscpu_model()}, {args.threads} thread(s), kernel {kernel.isa}; one layer, "
+          f"{'median' if args.spans else 'best'} of {args.reps} interleaved calls per side; "
+          f"load average {os.getloadavg()[0]:.2f}")
 
 
 if __name__ == "__main__":

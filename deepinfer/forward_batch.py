@@ -120,19 +120,6 @@ class ForwardBatch:
             self._masks[key] = None if all_valid else mask[:, None, None, :]
         return self._masks[key]
 
-    def span_rows(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """Segment i as one decode row per token: page table, kv_lens, kv_start, kv_lo (the
-        decode kernel's inputs; row j ends at position kv_len - q_len + j). Built once per step."""
-        key = ("span", i)
-        if key not in self._masks:
-            seg = self.prefills[i]
-            n, dev = seg.q_len, seg.pages.device
-            lens = torch.arange(seg.kv_len - n + 1, seg.kv_len + 1, device=dev)
-            start = torch.full((n,), seg.kv_start, device=dev) if seg.kv_start else None
-            lo = torch.full((n,), seg.kv_lo, device=dev) if seg.kv_lo > 0 else None
-            self._masks[key] = (seg.pages[None].expand(n, -1).contiguous(), lens, start, lo)
-        return self._masks[key]
-
     def prefill_mask(self, i: int, window: int | None) -> torch.Tensor | None:
         """[q_len, kv_len] boolean causal (and window) mask of segment i; None = plain causal."""
         key = ("prefill", i, window)

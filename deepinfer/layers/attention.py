@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from ..forward_batch import ForwardBatch
 from .chunk_attention import prefix_then_causal, splits_at_prefix
-from .native_decode import decode_backend, decode_rows, native_decode
+from .native_decode import decode_backend, native_decode, span_rows
 from .native_prefill import native_prefill, prefill_backend
 
 
@@ -105,8 +105,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     return torch.matmul(p, v.float()).to(q.dtype)
 
 
-# A chunk this short (a verify span, a short tail) runs row by row through the decode kernel
-# (``ForwardBatch.span_rows``), so each row gets the bits a decode at its position gets:
+# A chunk this short (a verify span, a short tail) runs through the decode kernel's span variant
+# (``native_decode.span_rows``), so each row gets the bits a decode at its position gets:
 # speculative greedy output then equals plain greedy output in bf16 too (the small-row linears
 # keep the other ops' bits for 1-16 rows).
 SPAN_AS_DECODES = 16
@@ -125,7 +125,7 @@ def paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
         sl = slice(seg.q_start, seg.q_start + seg.q_len)
         if seg.q_len <= SPAN_AS_DECODES and \
                 decode_backend(q, k_cache, v_cache, batch, softcap, sinks) == "native":
-            out[sl] = decode_rows(q[sl], k_cache, v_cache, *batch.span_rows(i), window, scale)
+            out[sl] = span_rows(q[sl], k_cache, v_cache, seg, scale, window)
             continue
         qh = q[sl].transpose(0, 1)[None]
         # every earlier key visible (no window, not a ring view), plain softmax

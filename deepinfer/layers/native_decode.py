@@ -8,6 +8,9 @@ online softmax in fp32, windows and ring views masked as the torch path masks th
 ``decode_backend`` is the one place that picks: the kernel for CPU caches in float32 or
 bfloat16 without softcap or sinks when it built, the torch path otherwise (CUDA, other dtypes,
 softcap, sinks, ``--attention-backend torch``, ``DEEPINFER_NO_NATIVE_KERNELS=1``).
+
+``span_rows`` runs a short chunk's rows (a speculative verify span) through the same kernel:
+each row gets the bits a decode at its position gets, with each K/V block read once for all rows.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from ..forward_batch import ForwardBatch
+from ..forward_batch import ForwardBatch, PrefillSegment
 from ..native_build import NativeExtension, build_extension
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_attention.cpp"
@@ -46,14 +49,14 @@ def decode_backend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
 def native_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch,
                   scale: float, window: int | None) -> torch.Tensor:
     """q [B, Hq, D] of the batch's decodes -> [B, Hq, Dv], read from the pages in place."""
-    return decode_rows(q, k_cache, v_cache, batch.decode_pages, batch.decode_kv_lens, batch.decode_kv_start,
-                       batch.decode_kv_lo, window, scale)
+    return torch.ops.deepinfer_attention.paged_decode(q.contiguous(), k_cache, v_cache, batch.decode_pages,
+                                                      batch.decode_kv_lens, batch.decode_kv_start, batch.decode_kv_lo,
+                                                      window, scale)
 
 
-def decode_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pages: torch.Tensor,
-                kv_lens: torch.Tensor, kv_start: torch.Tensor | None, kv_lo: torch.Tensor | None,
-                window: int | None, scale: float) -> torch.Tensor:
-    """Row b of q [B, Hq, D] attends to keys [max(kv_start, kv_lo, kv_lens - window), kv_lens) of
-    its page table row; every row's bits depend only on its own inputs."""
-    return torch.ops.deepinfer_attention.paged_decode(q.contiguous(), k_cache, v_cache, pages, kv_lens, kv_start,
-                                                      kv_lo, window, scale)
+def span_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seg: PrefillSegment,
+              scale: float, window: int | None) -> torch.Tensor:
+    """q [R, Hq, D] of segment ``seg``'s R tokens -> [R, Hq, Dv]; row r (position kv_len - R + r)
+    sees, and gets the bits of, what a decode at its position would."""
+    return torch.ops.deepinfer_attention.paged_span(q.contiguous(), k_cache, v_cache, seg.pages, seg.kv_len,
+                                                    seg.kv_start, seg.kv_lo, window, scale)

@@ -103,7 +103,7 @@ def test_greedy_with_speculation_equals_without(models, arch, spec):
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_bf16_greedy_with_speculation_equals_without(models, arch):
-    """A verify span's rows run as decodes (``ForwardBatch.span_rows``): the same bits
+    """A verify span's rows run through the decode kernel's span variant: the same bits
     as plain decoding, so bf16 greedy output is the same with speculation on, token for token."""
     ps = prompts(3, 14, seed=4)
     long = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
