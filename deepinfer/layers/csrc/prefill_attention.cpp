@@ -47,8 +47,8 @@ constexpr int64_t kGroup = 16;   // blocks of one kv head that walk the keys tog
 constexpr int64_t kChunk = 512;  // keys (a multiple of kKeys) every block of a group reads in turn
 
 // 2^x as 2^n * 2^f, f in [-0.5, 0.5] by a degree-4 polynomial (relative error < 1e-5, far below
-// the bf16 rounding of the probabilities, and two FMAs fewer than degree 6: the FMA pipes are
-// what bounds the kernel); inputs below -126 give ~0.
+// the bf16 rounding of the probabilities; the FMAs share their pipes with the dot pairs);
+// inputs below -126 give ~0.
 inline __m512 exp2_16(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-126.f));
   const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
