@@ -2,12 +2,14 @@
 
 Three parts, one run:
 - ``kernel``: one layer's attention at SmolLM2-135M's shapes (9 q heads, 3 kv heads, head dim
-  64, page size 16): an 80-token tail over 7,920 cached tokens and cold 512 / 2,048-token chunks,
+  64, page size 16): 80- and 320-token tails over 7,920 / 7,680 cached tokens (issue 17's 99% and
+  96% hits of an 8K prompt) and cold 512 / 2,048-token chunks,
   our kernel (``layers/native_prefill.py``) and the torch path (page gather + flash SDPA)
   interleaved, best of the rounds; GFLOP/s count the visible (causal) products.
 - ``profile``: the torch profiler over the engine's forward of a cold 2,048-token prompt and of
-  the 80-token tail after a 7,920-token L1 hit, each with the kernel (``auto``) and with
-  ``--attention-backend torch``: self CPU time split into attention, linears and the rest.
+  the 80- and 320-token tails after 7,920 / 7,680 L1-cached tokens, each with the kernel
+  (``auto``) and with ``--attention-backend torch``: self CPU time split into attention, linears
+  and the rest.
 - ``engine``: whole prefills through ``LLM.generate`` (one output token), bf16 with the kernel,
   bf16 with ``--attention-backend torch`` and transformers bf16, interleaved round by round,
   best round each; and the TTFT of an 80-token tail after a 7,920-token L1 hit, kernel vs torch.
@@ -54,7 +56,7 @@ def torch_path(q, k, v, pages, start):
 
 def kernel_rows(rounds: int, clock) -> list[str]:
     rows = ["| chunk | ours ms | ours GFLOP/s | torch ms | torch GFLOP/s | torch / ours |", "|---|---|---|---|---|---|"]
-    for start, T in [(7920, 80), (0, 512), (0, 2048)]:
+    for start, T in [(7920, 80), (7680, 320), (0, 512), (0, 2048)]:
         n = start + T
         num_pages = -(-n // PS)
         k = torch.randn(num_pages + 4, PS, HKV, D).bfloat16()
@@ -109,6 +111,8 @@ def profile_rows(model: str | None) -> list[str]:
         cases = [("2,048 cold", torch.randint(100, 40000, (2048,), generator=g).tolist())]
         llm.generate(cached + torch.randint(100, 40000, (80,), generator=g).tolist(), one)  # fill L1
         cases.append(("80 after 7,920 (L1)", cached + torch.randint(100, 40000, (80,), generator=g).tolist()))
+        tail = torch.randint(100, 40000, (320,), generator=g).tolist()
+        cases.append(("320 after 7,680 (L1)", cached[:7680] + tail))
         for name, prompt in cases:
             s = split(llm, prompt)
             rows.append(f"| {name} | {backend} | {s['wall']:.3f} | {s['attention']:.0%} | {s['linears']:.0%} | "

@@ -46,19 +46,18 @@ constexpr int64_t kCols = 8;   // value columns accumulated in registers at a ti
 constexpr int64_t kGroup = 16;   // blocks of one kv head that walk the keys together
 constexpr int64_t kChunk = 512;  // keys (a multiple of kKeys) every block of a group reads in turn
 
-// 2^x as 2^n * 2^f, f in [-0.5, 0.5] by a degree-6 polynomial (relative error ~2e-7, far below
-// the bf16 rounding of the probabilities); inputs below -126 give ~0.
+// 2^x as 2^n * 2^f, f in [-0.5, 0.5] by a degree-4 polynomial (relative error < 1e-5, far below
+// the bf16 rounding of the probabilities; the FMAs share their pipes with the dot pairs);
+// inputs below -126 give ~0.
 inline __m512 exp2_16(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-126.f));
   const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(x, n);
-  __m512 p = _mm512_set1_ps(1.5403530e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  __m512 p = _mm512_set1_ps(9.2549599e-3f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5856049e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4031252e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9313061e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.9999780e-1f));
   return _mm512_scalef_ps(p, n);
 }
 
@@ -71,6 +70,12 @@ struct Pages {
     return base + table[pos / page_size] * s0 + (pos % page_size) * s1 + h * s2;
   }
 };
+
+// The key rows of one tile of one kv head (keys at or past kv_len: the tile's first, masked by the
+// caller), looked up once per call rather than per tile and block: a division per key.
+void tile_key_rows(const Pages& k, int64_t h, int64_t j0, int64_t kv_len, const bf16** out) {
+  for (int64_t j = 0; j < kKeys; ++j) out[j] = k.row(j0 + j < kv_len ? j0 + j : j0, h);
+}
 
 // Values of one tile of one kv head as [kKeys / 2][Dv][2]: the pairs the dot-pair instruction
 // multiplies with a pair of probabilities. Keys at or past kv_len are zeros.
@@ -103,7 +108,7 @@ void pack_queries(const bf16* q, int64_t row0, int64_t rows, int64_t G, int64_t 
 }
 
 // s[j] (16 rows each) = q . k[j] for the 16 keys of a tile (a fixed count: the scores stay in
-// registers; a short tile's missing keys point at a valid one and are masked by the caller).
+// registers; keys a row does not see are masked by the caller).
 inline void tile_scores(const bf16* qp, const bf16* const* k, int64_t D, __m512* s) {
   for (int64_t j = 0; j < kKeys; ++j) s[j] = _mm512_setzero_ps();
   for (int64_t d2 = 0; d2 < D / 2; ++d2) {
@@ -157,15 +162,13 @@ struct Block {
 };
 
 // The block's online softmax over the key tiles starting in [j0, j1).
-void block_tiles(Block& b, int64_t j0, int64_t j1, const Pages& kp, const bf16* vpack, int64_t tiles,
+void block_tiles(Block& b, int64_t j0, int64_t j1, const bf16* const* krows, const bf16* vpack, int64_t tiles,
                  int64_t D, int64_t Dv, float sl2) {
   const __m512 ninf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   __m512 m = b.m, l = b.l;
   for (; j0 < j1; j0 += kKeys) {
-    const bf16* k[kKeys];
-    for (int64_t j = 0; j < kKeys; ++j) k[j] = kp.row(j0 + j < b.keys ? j0 + j : j0, b.h);
     __m512 s[kKeys];
-    tile_scores(b.qp, k, D, s);
+    tile_scores(b.qp, krows + b.h * tiles * kKeys + j0, D, s);
     __mmask16 vis[kKeys];
     const bool masked = j0 + kKeys > b.unmasked;
 #pragma GCC unroll 16
@@ -204,9 +207,12 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   const bf16* qd = q.data_ptr<bf16>();
   bf16* od = out.data_ptr<bf16>();
   std::vector<bf16> vpack(Hkv * tiles * tile_elems);
+  std::vector<const bf16*> krows(Hkv * tiles * kKeys);  // [kv head][tile][key]
   at::parallel_for(0, Hkv * tiles, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t it = begin; it < end; ++it)
+    for (int64_t it = begin; it < end; ++it) {
+      tile_key_rows(kp, it / tiles, (it % tiles) * kKeys, kv_len, krows.data() + it * kKeys);
       pack_values(vpg, it / tiles, (it % tiles) * kKeys, kv_len, Dv, vpack.data() + it * tile_elems);
+    }
   });
   const float sl2 = scale * 1.44269504088896341f;  // scores in base 2: e^(s scale) = 2^(s sl2)
   const int64_t items = Hkv * blocks, nt = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items));
@@ -246,7 +252,8 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
           // key chunks outer: a chunk's keys and values stay in cache for every block of the group
           for (int64_t c0 = 0; c0 < keys; c0 += kChunk)
             for (int64_t i = 0; i < n; ++i)
-              block_tiles(group[i], c0, std::min(c0 + kChunk, group[i].keys), kp, vpack.data(), tiles, D, Dv, sl2);
+              block_tiles(group[i], c0, std::min(c0 + kChunk, group[i].keys), krows.data(), vpack.data(), tiles, D, Dv,
+                          sl2);
           for (int64_t i = 0; i < n; ++i) {
             const Block& b = group[i];
             alignas(64) float lr[kRows];
