@@ -29,7 +29,8 @@ class RouterConfig:
     # never, the cost alone decides).
     stick_gap: float = 16.0
     # Workers sharing one KV pool (--kv-store): each page the request would compute that a peer
-    # holds or is computing, not yet in the pool, costs this more (``policy.py``).
+    # holds or is computing, not yet in the pool, costs this more on a worker with open
+    # requests (an idle one's copy delays no other request; ``policy.py``).
     duplicate_weight: float = 1.0
     pool_weight: float = 0.1  # ... and each page it would load from the pool costs this
     pending_ttl_s: float = 30.0  # how long a routed request's pages count before an event
@@ -104,7 +105,8 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--duplicate-weight", type=float, default=d.duplicate_weight,
                    help="workers sharing a KV pool (--kv-store): kv cost per page the request "
                         "would compute that another of them holds or is computing and has not "
-                        "written to the pool yet (pages already there count as hits)")
+                        "written to the pool yet (pages already there count as hits), on a "
+                        "worker with open requests (not on an idle one)")
     p.add_argument("--pool-weight", type=float, default=d.pool_weight,
                    help="workers sharing a KV pool: kv cost per page the request would load "
                         "from the pool instead of computing it (a computed page costs 1)")

@@ -24,9 +24,14 @@ copy of a prefix count once. A page the pool holds (a peer wrote it: the peer's 
 hit on every peer, which loads it instead of computing it (``pool_weight`` of a prefilled page
 each: a load is cheap, not free). A page a peer holds or is computing
 but has not written yet would be computed a second time, though the pool will hold it soon: it
-costs ``duplicate_weight`` more, so the first requests of a new shared prefix (a system prompt,
-tool specs) gather where it is being computed, which waits for it rather than computing it
-again (the scheduler's rule), and later ones, spread by load, load it from the pool. Without a
+costs ``duplicate_weight`` more on a worker with open requests, so while the cluster is busy the
+first requests of a new shared prefix (a system prompt, tool specs) gather where it is being
+computed, which waits for it rather than computing it again (the scheduler's rule), and later
+ones, spread by load, load it from the pool. On an idle worker (no open request) that term is 0:
+the second copy takes compute from no other request there, and waiting on the peer's prefill
+delays this one's first token (a benchmark's first wave of agents all gathered on one worker
+while the other idled); its cost is then the wait alone, its own prefill against the queue on
+the peer. Without a
 shared pool each worker needs its own copy to serve the prefix at all, so that price is the
 plain prefill the cost above already counts: the cost is then exactly the one above. Nor does
 stickiness hold a conversation that another candidate can load from the pool: a move there
@@ -134,9 +139,11 @@ class Policy:
              ) -> tuple[float, float]:
         free = self.free_pages(w)
         adds = prompt.pages(w.page_size) - hit.pages  # pooled pages land in its L1 too
+        # an idle worker's second copy delays no other request: no duplicate term there
+        duplicates = self.duplicates(w, prompt, hit, peers) if w.in_flight else 0
         return kv_cost(prompt.prompt_pages(w.page_size) - hit.pages - hit.pooled, w.load,
                        self.weights, 0 if free is None else overflow(adds, free),
-                       self.duplicates(w, prompt, hit, peers), hit.pooled)
+                       duplicates, hit.pooled)
 
     def _holds_conversation(self, w: Worker, prompt: RoutedPrompt) -> bool:
         if not w.synced or w.model_identity is None or w.page_size is None:
