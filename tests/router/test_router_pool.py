@@ -93,13 +93,14 @@ def test_an_idle_worker_computes_a_new_shared_prefix_instead_of_waiting():
     other request: the second goes to b (13 < a's 3 + 13), as without a pool, and the four
     spread a, b, a, b (each worker computes the prompt once). With one request decoding on b
     the duplicate term stands (b: 13 + 10 + 1 against a's 16, 19, 22): all four gather on
-    a, which computes the prompt once for the cluster."""
-    def placed(b_busy: bool) -> list[str]:
+    a, which computes the prompt once for the cluster; so they do on idle workers with
+    ``idle_duplicate_weight`` 1 (b: 13 + 10 against 16, 19, 22)."""
+    def placed(b_busy: bool, weights: CostWeights = NO_EVICT) -> list[str]:
         idx = PrefixIndex()
         a, b = _worker("a"), _worker("b")
         if b_busy:
             _decoding(b)
-        kv = Policy("kv", idx, NO_EVICT)
+        kv = Policy("kv", idx, weights)
         out = []
         for user in range(4):
             p = _request(user)
@@ -111,6 +112,8 @@ def test_an_idle_worker_computes_a_new_shared_prefix_instead_of_waiting():
 
     assert placed(b_busy=False) == ["a", "b", "a", "b"]
     assert placed(b_busy=True) == ["a", "a", "a", "a"]
+    gather = CostWeights(evict_weight=0.0, idle_duplicate_weight=1.0)
+    assert placed(b_busy=False, weights=gather) == ["a", "a", "a", "a"]
 
 
 def test_pages_in_the_pool_are_hits_on_every_peer():
@@ -151,3 +154,16 @@ def test_stickiness_does_not_hold_a_conversation_the_pool_serves_elsewhere():
         assert (c.worker.url, c.sticky) == (expect, sticky)
         if pool:
             assert c.costs == {"a": 11.0, "b": 4.2} and c.overlap.pooled == 12
+
+
+def test_the_routers_options_reach_its_cost_weights():
+    from deepinfer.router.app import Router
+    from deepinfer.router.config import RouterConfig
+
+    router = Router(RouterConfig(workers=["http://127.0.0.1:1"], pool_weight=0.3,
+                                 idle_duplicate_weight=1.0, stick_gap=-1.0), tokenizer=None)
+    try:
+        assert router.policy.weights == CostWeights(pool_weight=0.3, idle_duplicate_weight=1.0,
+                                                    stick_gap=-1.0)
+    finally:
+        router.tokens.close()
