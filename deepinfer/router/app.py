@@ -18,6 +18,7 @@ import contextlib
 import json
 import logging
 from collections.abc import Awaitable, Callable
+from dataclasses import fields
 from typing import TypeVar
 
 import httpx
@@ -60,9 +61,8 @@ class Router:
         self.pool = WorkerPool([Worker(u, r) for u, r in roles], self.index,
                                config.health_interval_s, config.worker_api_key)
         self.policy = Policy(config.policy, self.index,
-                             CostWeights(config.overlap_weight, config.decode_weight,
-                                         config.evict_weight, config.stick_gap,
-                                         config.duplicate_weight, config.pool_weight))
+                             CostWeights(**{f.name: getattr(config, f.name)
+                                            for f in fields(CostWeights)}))
         self.tokens = PromptTokenizer(tokenizer)
         self.client: httpx.AsyncClient | None = None
         self.retries = 0

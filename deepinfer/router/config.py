@@ -29,8 +29,11 @@ class RouterConfig:
     # never, the cost alone decides).
     stick_gap: float = 16.0
     # Workers sharing one KV pool (--kv-store): each page the request would compute that a peer
-    # holds or is computing, not yet in the pool, costs this more (``policy.py``).
+    # holds or is computing, not yet in the pool, costs this more on a worker with open
+    # requests, and idle_duplicate_weight more on one without (its copy delays no other
+    # request; ``policy.py``).
     duplicate_weight: float = 1.0
+    idle_duplicate_weight: float = 0.0
     pool_weight: float = 0.1  # ... and each page it would load from the pool costs this
     pending_ttl_s: float = 30.0  # how long a routed request's pages count before an event
     worker_api_key: str | None = None  # sent on the router's own calls (KV events, snapshots)
@@ -63,6 +66,7 @@ class RouterConfig:
                         ("decode_weight", self.decode_weight),
                         ("evict_weight", self.evict_weight),
                         ("duplicate_weight", self.duplicate_weight),
+                        ("idle_duplicate_weight", self.idle_duplicate_weight),
                         ("pool_weight", self.pool_weight),
                         ("pending_ttl_s", self.pending_ttl_s)):
             if v < 0:
@@ -104,7 +108,12 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--duplicate-weight", type=float, default=d.duplicate_weight,
                    help="workers sharing a KV pool (--kv-store): kv cost per page the request "
                         "would compute that another of them holds or is computing and has not "
-                        "written to the pool yet (pages already there count as hits)")
+                        "written to the pool yet (pages already there count as hits), on a "
+                        "worker with open requests")
+    p.add_argument("--idle-duplicate-weight", type=float, default=d.idle_duplicate_weight,
+                   help="the same on a worker with no open request (default 0: its copy delays "
+                        "no other request, so the request goes where its first token comes "
+                        "sooner; 1: gather on the peer computing the pages, as on a busy one)")
     p.add_argument("--pool-weight", type=float, default=d.pool_weight,
                    help="workers sharing a KV pool: kv cost per page the request would load "
                         "from the pool instead of computing it (a computed page costs 1)")
@@ -134,7 +143,9 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
                         decode_workers=args.decode_worker, policy=args.policy,
                         overlap_weight=args.overlap_weight, decode_weight=args.decode_weight,
                         evict_weight=args.evict_weight, stick_gap=args.stick_gap,
-                        duplicate_weight=args.duplicate_weight, pool_weight=args.pool_weight,
+                        duplicate_weight=args.duplicate_weight,
+                        idle_duplicate_weight=args.idle_duplicate_weight,
+                        pool_weight=args.pool_weight,
                         pending_ttl_s=args.pending_ttl,
                         worker_api_key=args.worker_api_key or None, model=args.model,
                         chat_template=read_chat_template(args.chat_template), host=args.host,

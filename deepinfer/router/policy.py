@@ -24,9 +24,14 @@ copy of a prefix count once. A page the pool holds (a peer wrote it: the peer's 
 hit on every peer, which loads it instead of computing it (``pool_weight`` of a prefilled page
 each: a load is cheap, not free). A page a peer holds or is computing
 but has not written yet would be computed a second time, though the pool will hold it soon: it
-costs ``duplicate_weight`` more, so the first requests of a new shared prefix (a system prompt,
-tool specs) gather where it is being computed, which waits for it rather than computing it
-again (the scheduler's rule), and later ones, spread by load, load it from the pool. Without a
+costs ``duplicate_weight`` more on a worker with open requests, so while the cluster is busy the
+first requests of a new shared prefix (a system prompt, tool specs) gather where it is being
+computed, which waits for it rather than computing it again (the scheduler's rule), and later
+ones, spread by load, load it from the pool. On an idle worker (no open request) the term is
+``idle_duplicate_weight`` (default 0): the second copy takes compute from no other request there,
+and waiting on the peer's prefill delays this one's first token (a benchmark's first wave of
+agents all gathered on one worker while the other idled); its cost is then the wait alone, its
+own prefill against the queue on the peer. Without a
 shared pool each worker needs its own copy to serve the prefix at all, so that price is the
 plain prefill the cost above already counts: the cost is then exactly the one above. Nor does
 stickiness hold a conversation that another candidate can load from the pool: a move there
@@ -69,6 +74,7 @@ class CostWeights:
     evict_weight: float = 1.0  # per cached page the request would push out of the worker's L1
     stick_gap: float = 16.0  # pages of open work over the least loaded's that end stickiness
     duplicate_weight: float = 1.0  # per page it computes that a pool peer has (not yet pooled)
+    idle_duplicate_weight: float = 0.0  # the same on a worker with no open request
     pool_weight: float = 0.1  # per page it loads from the shared pool (a prefilled page: 1)
 
 
@@ -88,8 +94,10 @@ def kv_cost(to_prefill: int, load: Load, weights: CostWeights, evicts: int = 0,
     pushing ``evicts`` cached pages out, ``duplicates`` of its pages a pool peer's too, and
     load ``pooled`` pages from the shared pool."""
     b = busy(load, weights)
+    # an idle worker's second copy delays no other request (its own wait is in to_prefill)
+    dup = weights.duplicate_weight if load.active_pages else weights.idle_duplicate_weight
     return (weights.overlap_weight * to_prefill + weights.evict_weight * evicts
-            + weights.duplicate_weight * duplicates + weights.pool_weight * pooled + b, b)
+            + dup * duplicates + weights.pool_weight * pooled + b, b)
 
 
 def pool_peers(workers: list[Worker]) -> dict[str, list[str]]:

@@ -63,11 +63,12 @@ def test_index_pooled_and_coming_pages_of_peers():
 
 
 def test_a_new_shared_prefix_gathers_where_it_is_computed_with_a_pool():
-    """a computes the system prompt (routed there, nothing written yet): a second request is
-    cheaper on a (wait for it: 3 pages + a's 13 open) than computing it again on b
-    (13 + 10 duplicated); without a shared pool the cost is Dynamo's and b wins (13 < 16)."""
-    for pool, expect, costs in ((POOL, "a", {"a": 16.0, "b": 23.0}),
-                                (None, "b", {"a": 16.0, "b": 13.0})):
+    """a computes the system prompt (routed there, nothing written yet) and b decodes one
+    request: a second request is cheaper on a (wait for it: 3 pages + a's 13 open) than
+    computing it again on b (13 + 10 duplicated + 1 decoding); without a shared pool the
+    cost is Dynamo's and b wins (14 < 16)."""
+    for pool, expect, costs in ((POOL, "a", {"a": 16.0, "b": 24.0}),
+                                (None, "b", {"a": 16.0, "b": 14.0})):
         idx = PrefixIndex()
         a, b = _worker("a", pool), _worker("b", pool)
         kv = Policy("kv", idx, NO_EVICT)
@@ -75,8 +76,44 @@ def test_a_new_shared_prefix_gathers_where_it_is_computed_with_a_pool():
         assert first.worker is a  # a tie, in turn
         idx.add_pending("a", _request(1).page_hashes("model-x", PS))
         a.begin(Routed(pages=14, prefill_pages=13))
+        _decoding(b)
         c = kv.pick([a, b], _request(2))
         assert (c.worker.url, c.costs, c.overlap.pooled) == (expect, costs, 0)
+
+
+def _decoding(w: Worker) -> None:
+    """One open request on ``w``, past its first token (1 page-equivalent of load)."""
+    r = Routed(pages=5, prefill_pages=4)
+    w.begin(r)
+    w.first_token(r)
+
+
+def test_an_idle_worker_computes_a_new_shared_prefix_instead_of_waiting():
+    """Four requests sharing a new system prompt at once. On idle workers b's copy delays no
+    other request: the second goes to b (13 < a's 3 + 13), as without a pool, and the four
+    spread a, b, a, b (each worker computes the prompt once). With one request decoding on b
+    the duplicate term stands (b: 13 + 10 + 1 against a's 16, 19, 22): all four gather on
+    a, which computes the prompt once for the cluster; so they do on idle workers with
+    ``idle_duplicate_weight`` 1 (b: 13 + 10 against 16, 19, 22)."""
+    def placed(b_busy: bool, weights: CostWeights = NO_EVICT) -> list[str]:
+        idx = PrefixIndex()
+        a, b = _worker("a"), _worker("b")
+        if b_busy:
+            _decoding(b)
+        kv = Policy("kv", idx, weights)
+        out = []
+        for user in range(4):
+            p = _request(user)
+            c = kv.pick([a, b], p)
+            c.worker.begin(Routed(p.pages(PS), p.prompt_pages(PS) - c.overlap.pages))
+            idx.add_pending(c.worker.url, p.page_hashes("model-x", PS))
+            out.append(c.worker.url)
+        return out
+
+    assert placed(b_busy=False) == ["a", "b", "a", "b"]
+    assert placed(b_busy=True) == ["a", "a", "a", "a"]
+    gather = CostWeights(evict_weight=0.0, idle_duplicate_weight=1.0)
+    assert placed(b_busy=False, weights=gather) == ["a", "a", "a", "a"]
 
 
 def test_pages_in_the_pool_are_hits_on_every_peer():
@@ -117,3 +154,16 @@ def test_stickiness_does_not_hold_a_conversation_the_pool_serves_elsewhere():
         assert (c.worker.url, c.sticky) == (expect, sticky)
         if pool:
             assert c.costs == {"a": 11.0, "b": 4.2} and c.overlap.pooled == 12
+
+
+def test_the_routers_options_reach_its_cost_weights():
+    from deepinfer.router.app import Router
+    from deepinfer.router.config import RouterConfig
+
+    router = Router(RouterConfig(workers=["http://127.0.0.1:1"], pool_weight=0.3,
+                                 idle_duplicate_weight=1.0, stick_gap=-1.0), tokenizer=None)
+    try:
+        assert router.policy.weights == CostWeights(pool_weight=0.3, idle_duplicate_weight=1.0,
+                                                    stick_gap=-1.0)
+    finally:
+        router.tokens.close()
