@@ -130,10 +130,10 @@ def replay(sc: SpeculativeConfig, refs: list[tuple[str, list[int], list[int]]],
                      if sc.scheduled else len(draft.tokens))
             accepted = 0
             if wl == trace and draft is not None and draft.tokens:
-                print_step(req.num_tokens, draft.features, calibrator.confidences(draft.source, draft.features),
-                           [1 / (sps(b) * sps.seconds[0]) for b in range(2, len(draft.tokens) + 2)], n,
-                           sum(1 for _ in itertools.takewhile(lambda t: t[0] == t[1],
-                                                              zip(draft.tokens, ref[done:]))))
+                conf = calibrator.confidences(draft.source, draft.features)
+                ratios = [1 / (sps(b) * sps.seconds[0]) for b in range(2, len(draft.tokens) + 2)]
+                same = itertools.takewhile(lambda t: t[0] == t[1], zip(draft.tokens, ref[done:]))
+                print_step(req.num_tokens, draft.features, conf, ratios, n, len(list(same)))
             if n:
                 draft = draft.head(n)
                 while accepted < n and draft.tokens[accepted] == ref[done + accepted]:
@@ -195,7 +195,8 @@ def main() -> None:
             continue
         if args.trace:
             print(f"trace of {mode} on {args.trace}:")
-        for wl, (speedup, verified, accepted) in replay(sc, order, prices, args.trace, args.noise).items():
+        results = replay(sc, order, prices, args.trace, args.noise)
+        for wl, (speedup, verified, accepted) in results.items():
             print(f"| {wl} | {mode} | {speedup:.3f} | {verified} | {accepted} |", flush=True)
 
 

@@ -30,9 +30,8 @@ class SpsProfile:
     over-prices, so without that bound no step would ever correct it, while an under-priced
     size is picked, observed and corrected within ``MIN_OBSERVED`` steps. That holds for an
     observed point too: a few slow steps can over-price it for good, and through the running
-    maximum every larger size with it (in a bf16 benchmark run three slow 2-token steps priced
-    2-4 tokens at 1.4x a decode for the rest of the run, beside 4-token steps observed at
-    1.1x, and the scheduler verified none of the drafts whose first token it gave c = 0.24)."""
+    maximum every larger size with it, beside larger steps observed cheaper (a bf16 agent run
+    then verified nothing of drafts with a low first confidence: README, "Measured figures")."""
 
     RECENT = 16  # step times kept per point
     MIN_OBSERVED = 3
