@@ -11,18 +11,26 @@ the reference outputs, and every step is charged its price: the single-thread CP
 between them. The scheduler sees what the engine would: a profile measured at the warm-up's
 context and refined by the steps it runs (``SpsProfile.observe``). Reported: modelled speed-up
 over off (decode steps' total price), verified and accepted tokens, per workload and mode,
-prompts in ``spec.py``'s order (one engine per mode answers all of them).
+prompts in ``spec.py``'s order (one engine per mode answers all of them). ``--trace agent``
+prints each of that workload's steps; ``--noise`` slows the steps the profile observes, as
+load does; ``--prices FILE`` reuses the prices a run saved there (replays comparable across
+code versions).
 
     python benchmarks/spec_replay.py [--dtype auto] [--contexts 40,150,400] [--max-tokens 160]
-                                     [--repeats 2] [--rounds 6]
+                                     [--repeats 2] [--rounds 6] [--modes k=5,scheduled]
+                                     [--trace agent] [--noise 0.1] [--prices FILE]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
+import json
+import random
 import statistics
 import time
 from bisect import bisect_left
+from pathlib import Path
 
 from deepinfer.hardware import lscpu_model
 from deepinfer.llm import LLM
@@ -93,8 +101,13 @@ def price(prices: dict[int, list[float]], b: int, ctx: int) -> float:
 
 
 def replay(sc: SpeculativeConfig, refs: list[tuple[str, list[int], list[int]]],
-           prices: dict[int, list[float]]) -> dict[str, tuple[float, int, int]]:
-    """One mode over the prompts in order: per workload (speed-up, verified, accepted)."""
+           prices: dict[int, list[float]], trace: str | None = None, noise: float = 0.0
+           ) -> dict[str, tuple[float, int, int]]:
+    """One mode over the prompts in order: per workload (speed-up, verified, accepted); every
+    step of workload ``trace`` is printed (context, draft features, confidences, the profile's
+    step prices, verified and accepted tokens), to see why the scheduler verified what it did.
+    ``noise``: the profile observes each step's price times 1 + noise * E, E ~ Exp(1) seeded
+    (load only slows a step, now and then much), while the step is charged its price."""
     calibrator = Calibrator(sc.calibration_window)
     source, _ = weight_free_source(sc, calibrator)
     warm = len(refs[0][1]) + len(refs[0][2])
@@ -103,6 +116,7 @@ def replay(sc: SpeculativeConfig, refs: list[tuple[str, list[int], list[int]]],
     dense = list(range(1, sc.num_tokens + 2))
     sps = SpsProfile(dense, [start(b) for b in dense])
     totals: dict[str, list[float]] = {}
+    rng = random.Random(0)
     for wl, prompt, ref in refs:
         req = Request(wl, list(prompt), SamplingParams(max_tokens=len(ref), temperature=0.0))
         req.output_token_ids = ref[:1]  # the prefill's token: not a decode step
@@ -115,6 +129,11 @@ def replay(sc: SpeculativeConfig, refs: list[tuple[str, list[int], list[int]]],
                 n = (plan_verify([calibrator.survival(draft.source, draft.features)], sps)[0]
                      if sc.scheduled else len(draft.tokens))
             accepted = 0
+            if wl == trace and draft is not None and draft.tokens:
+                conf = calibrator.confidences(draft.source, draft.features)
+                ratios = [1 / (sps(b) * sps.seconds[0]) for b in range(2, len(draft.tokens) + 2)]
+                same = itertools.takewhile(lambda t: t[0] == t[1], zip(draft.tokens, ref[done:]))
+                print_step(req.num_tokens, draft.features, conf, ratios, n, len(list(same)))
             if n:
                 draft = draft.head(n)
                 while accepted < n and draft.tokens[accepted] == ref[done + accepted]:
@@ -123,7 +142,7 @@ def replay(sc: SpeculativeConfig, refs: list[tuple[str, list[int], list[int]]],
                 req.spec.verified += n
                 req.spec.accepted += accepted
             p = price(prices, 1 + n, req.num_tokens)
-            sps.observe(1 + n, p)
+            sps.observe(1 + n, p * (1 + noise * rng.expovariate(1.0)))
             cost += p
             req.output_token_ids += ref[done : done + accepted + 1]
         source.finished(req)
@@ -136,26 +155,48 @@ def replay(sc: SpeculativeConfig, refs: list[tuple[str, list[int], list[int]]],
     return {wl: (t[0] / t[1], int(t[2]), int(t[3])) for wl, t in totals.items()}
 
 
+def print_step(ctx: int, features: list[int], conf: list[float], ratios: list[float],
+               verified: int, matching: int) -> None:
+    """One traced step: the draft's features and confidences c_j, the profile's price of a
+    B-token step over its 1-token one for B = 2.., and how many tokens were verified and how
+    many of the draft match the reference (what verifying all of it would have accepted)."""
+    print(f"step ctx {ctx} features {features} c {' '.join(f'{c:.2f}' for c in conf)} "
+          f"price {' '.join(f'{r:.2f}' for r in ratios)} verified {verified} matching {matching}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dtype", default="auto", help="the dtype whose step prices are measured")
     ap.add_argument("--contexts", default="40,150,400")
     ap.add_argument("--max-tokens", type=int, default=160)
     ap.add_argument("--repeats", type=int, default=2, help="passes over the prompts (spec.py's order)")
+    ap.add_argument("--noise", type=float, default=0.0, help="mean slow-down of the observed steps")
+    ap.add_argument("--trace", default=None, help="print every step of this workload")
+    ap.add_argument("--modes", default=None, help="comma-separated subset of k=3,k=5,scheduled,auto")
+    ap.add_argument("--prices", default=None, help="JSON file: read the step prices, or save them")
     ap.add_argument("--rounds", type=int, default=6, help="price measurements per step size")
     args = ap.parse_args()
     refs = references(args.max_tokens)
-    prices = step_prices(args.dtype, [int(c) for c in args.contexts.split(",")], args.rounds)
+    saved = Path(args.prices) if args.prices else None
+    if saved is not None and saved.exists():
+        prices = {int(c): row for c, row in json.loads(saved.read_text()).items()}
+    else:
+        prices = step_prices(args.dtype, [int(c) for c in args.contexts.split(",")], args.rounds)
+        if saved is not None:
+            saved.write_text(json.dumps(prices))
     order = refs[:1] + [r for wl in WORKLOADS for _ in range(args.repeats) for r in refs[1:] if r[0] == wl]
     print(f"CPU: {lscpu_model()}; step prices: dtype {args.dtype}, 1 thread, CPU time; "
-          f"{args.max_tokens} tokens, {args.repeats} passes")
+          f"{args.max_tokens} tokens, {args.repeats} passes, noise {args.noise}")
     for ctx, row in prices.items():
         print(f"price at context {ctx}: " + " ".join(f"{p:.3f}" for p in row))
     print("| workload | mode | modelled speed-up | verified | accepted |\n|---|---|---:|---:|---:|")
     for mode, sc in modes("ngram", None, None).items():
-        if sc is None:
+        if sc is None or (args.modes is not None and mode not in args.modes.split(",")):
             continue
-        for wl, (speedup, verified, accepted) in replay(sc, order, prices).items():
+        if args.trace:
+            print(f"trace of {mode} on {args.trace}:")
+        results = replay(sc, order, prices, args.trace, args.noise)
+        for wl, (speedup, verified, accepted) in results.items():
             print(f"| {wl} | {mode} | {speedup:.3f} | {verified} | {accepted} |", flush=True)
 
 

@@ -25,10 +25,13 @@ class SpsProfile:
     (``observe``): a point with ``MIN_OBSERVED`` recent step times takes their median, and the
     others move with the 1-token point's drift, so the curve follows the load the steps really
     run under instead of one start-up snapshot (on a shared CPU that snapshot priced the first
-    span token at +50% where the steps beside it ran at +16%). An unobserved point is also
-    priced at no more than an observed point with more tokens: the scheduler never picks a
-    size it over-prices, so without that bound no step would ever correct it, while an
-    under-priced size is picked, observed and corrected within ``MIN_OBSERVED`` steps."""
+    span token at +50% where the steps beside it ran at +16%). Every span point is also priced
+    at no more than an observed point with more tokens: the scheduler never picks a size it
+    over-prices, so without that bound no step would ever correct it, while an under-priced
+    size is picked, observed and corrected within ``MIN_OBSERVED`` steps. That holds for an
+    observed point too: a few slow steps can over-price it for good, and through the running
+    maximum every larger size with it, beside larger steps observed cheaper (a bf16 agent run
+    then verified nothing of drafts with a low first confidence: README, "Measured figures")."""
 
     RECENT = 16  # step times kept per point
     MIN_OBSERVED = 3
@@ -53,12 +56,11 @@ class SpsProfile:
         seen = [statistics.median(r) if len(r) >= self.MIN_OBSERVED else None for r in self.recent]
         drift = 1.0 if seen[0] is None else seen[0] / self.measured[0]
         points = [m * drift if s is None else s for m, s in zip(self.measured, seen)]
-        cap = float("inf")  # the cheapest observed step at this size or more
-        for i in reversed(range(len(points))):
-            if seen[i] is None:
-                points[i] = min(points[i], cap)
-            else:
-                cap = min(cap, points[i])
+        cap = float("inf")  # the cheapest observed step with more tokens
+        for i in reversed(range(1, len(points))):  # the 1-token point is the drift's reference
+            points[i] = min(points[i], cap)
+            if seen[i] is not None:
+                cap = points[i]
         self.seconds = list(itertools.accumulate(points, max))
 
     def __call__(self, b: int) -> float:

@@ -147,3 +147,17 @@ def test_an_observed_larger_step_bounds_the_sizes_no_step_has_run():
     for t in (0.012, 0.012, 0.012):  # then the 2-token steps run: their own median holds
         p.observe(2, t)
     assert p(2) == pytest.approx(1 / 0.012) and p(5) == pytest.approx(1 / 0.015)
+
+
+def test_an_observed_larger_step_bounds_an_observed_smaller_one():
+    # a few slow 2-token steps must not price 2-4 tokens above the 4-token steps that ran
+    # cheaper: an over-priced size is never picked again, so its own times never correct it
+    p = SpsProfile([1, 2, 3, 4], [100.0, 95.0, 90.0, 87.0])  # start-up: 10, 10.5, 11.1, 11.5 ms
+    for t in (0.014, 0.014, 0.015):  # three slow 2-token steps
+        p.observe(2, t)
+    assert p(2) == pytest.approx(1 / 0.014) and p(4) == pytest.approx(1 / 0.014)
+    for t in (0.011, 0.0115, 0.012):  # the 4-token steps run at 11.5 ms
+        p.observe(4, t)
+    assert p(2) == pytest.approx(1 / 0.0115) and p(3) == pytest.approx(1 / 0.0115)
+    # so a first draft token with a = 0.24 is verified (1.24 / 1.15 > 1), not skipped (1.24 / 1.4)
+    assert plan_verify([[0.24]], p) == [1]
