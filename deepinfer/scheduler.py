@@ -107,7 +107,13 @@ class Scheduler:
                 n = min(req.num_tokens - req.num_computed_tokens, budget, self.max_chunk)
                 if not self.kv.allocate(req, n):
                     self.kv.release(req)
-                    break
+                    if self.running or items:
+                        break  # pages come back as those requests finish: keep the order
+                    # nothing runs to give pages back: the pages this request lacks may be
+                    # held by later requests' finished loads, adopted only when they are
+                    # reached, so stopping here would wait forever
+                    w += 1
+                    continue
             except Exception as e:  # noqa: BLE001 - this request's fault: the others go on
                 self.fail(req, e)  # out of ``waiting``: index w now holds the next request
                 continue

@@ -1,5 +1,7 @@
 """Engine behaviour on a tiny random Llama: equal outputs however the work is split or cached."""
 
+import threading
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -78,6 +80,26 @@ def test_whole_prompt_cached_still_computes_one_token(tiny_llama):
     b = llm.generate(p, GREEDY)[0]
     assert b.num_cached_tokens == 28 and b.num_computed_tokens == 4
     assert a.token_ids == b.token_ids
+
+
+def test_preemption_with_slow_tier_loads_finishes(tiny_llama):
+    """A preempted request comes back with its evicted pages in L2; while loads are slow, the
+    head of the queue once waited for pages that later requests' finished loads held (adopted
+    only when the scheduler reached them), so with nothing running the engine spun forever."""
+    ps = prompts(6, 40, seed=8)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    ref = tokens(make(tiny_llama, enable_prefix_cache=False).generate(ps, params))
+    tight = make(tiny_llama, num_pages=45, max_model_len=160)
+    backend = tight.engine.kv.tiers.backend
+    start = backend.start_load
+    backend.start_load = lambda job: threading.Timer(0.05, start, args=(job,)).start()
+    out: list = []
+    worker = threading.Thread(target=lambda: out.extend(tight.generate(ps, params)), daemon=True)
+    worker.start()
+    worker.join(120)
+    assert not worker.is_alive(), "the engine stopped making progress"
+    assert tokens(out) == ref
+    assert tight.engine.kv.stats.preemptions > 0 and tight.engine.kv.stats.loads > 0
 
 
 def test_eviction_with_tiny_pool(tiny_llama):
