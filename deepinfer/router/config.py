@@ -33,7 +33,7 @@ class RouterConfig:
     # requests, and idle_duplicate_weight more on one without (its copy delays no other
     # request; ``policy.py``).
     duplicate_weight: float = 1.0
-    idle_duplicate_weight: float = 0.0
+    idle_duplicate_weight: float = 1.0
     pool_weight: float = 0.1  # ... and each page it would load from the pool costs this
     pending_ttl_s: float = 30.0  # how long a routed request's pages count before an event
     worker_api_key: str | None = None  # sent on the router's own calls (KV events, snapshots)

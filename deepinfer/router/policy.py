@@ -28,10 +28,11 @@ costs ``duplicate_weight`` more on a worker with open requests, so while the clu
 first requests of a new shared prefix (a system prompt, tool specs) gather where it is being
 computed, which waits for it rather than computing it again (the scheduler's rule), and later
 ones, spread by load, load it from the pool. On an idle worker (no open request) the term is
-``idle_duplicate_weight`` (default 0): the second copy takes compute from no other request there,
-and waiting on the peer's prefill delays this one's first token (a benchmark's first wave of
-agents all gathered on one worker while the other idled); its cost is then the wait alone, its
-own prefill against the queue on the peer. Without a
+``idle_duplicate_weight`` (default 1, the same: the cluster computes a new shared prefix once,
+which keeps a single engine's hit rate). At 0 an idle worker's copy costs only the wait: it takes
+compute from no other request there, while waiting on the peer's prefill delays this one's first
+token (a benchmark's first wave of agents all gathered on one worker while the other idled), at
+the price of a second computed copy of the prefix. Without a
 shared pool each worker needs its own copy to serve the prefix at all, so that price is the
 plain prefill the cost above already counts: the cost is then exactly the one above. Nor does
 stickiness hold a conversation that another candidate can load from the pool: a move there
@@ -74,7 +75,7 @@ class CostWeights:
     evict_weight: float = 1.0  # per cached page the request would push out of the worker's L1
     stick_gap: float = 16.0  # pages of open work over the least loaded's that end stickiness
     duplicate_weight: float = 1.0  # per page it computes that a pool peer has (not yet pooled)
-    idle_duplicate_weight: float = 0.0  # the same on a worker with no open request
+    idle_duplicate_weight: float = 1.0  # the same on a worker with no open request
     pool_weight: float = 0.1  # per page it loads from the shared pool (a prefilled page: 1)
 
 

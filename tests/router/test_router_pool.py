@@ -89,13 +89,15 @@ def _decoding(w: Worker) -> None:
 
 
 def test_an_idle_worker_computes_a_new_shared_prefix_instead_of_waiting():
-    """Four requests sharing a new system prompt at once. On idle workers b's copy delays no
-    other request: the second goes to b (13 < a's 3 + 13), as without a pool, and the four
-    spread a, b, a, b (each worker computes the prompt once). With one request decoding on b
-    the duplicate term stands (b: 13 + 10 + 1 against a's 16, 19, 22): all four gather on
-    a, which computes the prompt once for the cluster; so they do on idle workers with
-    ``idle_duplicate_weight`` 1 (b: 13 + 10 against 16, 19, 22)."""
-    def placed(b_busy: bool, weights: CostWeights = NO_EVICT) -> list[str]:
+    """Four requests sharing a new system prompt at once. With ``idle_duplicate_weight`` 0, on
+    idle workers b's copy delays no other request: the second goes to b (13 < a's 3 + 13), as
+    without a pool, and the four spread a, b, a, b (each worker computes the prompt once). With
+    one request decoding on b the duplicate term stands (b: 13 + 10 + 1 against a's 16, 19,
+    22): all four gather on a, which computes the prompt once for the cluster; so they do on
+    idle workers with the default weight 1 (b: 13 + 10 against 16, 19, 22)."""
+    spread = CostWeights(evict_weight=0.0, idle_duplicate_weight=0.0)
+
+    def placed(b_busy: bool, weights: CostWeights = spread) -> list[str]:
         idx = PrefixIndex()
         a, b = _worker("a"), _worker("b")
         if b_busy:
@@ -112,8 +114,7 @@ def test_an_idle_worker_computes_a_new_shared_prefix_instead_of_waiting():
 
     assert placed(b_busy=False) == ["a", "b", "a", "b"]
     assert placed(b_busy=True) == ["a", "a", "a", "a"]
-    gather = CostWeights(evict_weight=0.0, idle_duplicate_weight=1.0)
-    assert placed(b_busy=False, weights=gather) == ["a", "a", "a", "a"]
+    assert placed(b_busy=False, weights=NO_EVICT) == ["a", "a", "a", "a"]
 
 
 def test_pages_in_the_pool_are_hits_on_every_peer():
