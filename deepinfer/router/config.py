@@ -111,9 +111,10 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                         "written to the pool yet (pages already there count as hits), on a "
                         "worker with open requests")
     p.add_argument("--idle-duplicate-weight", type=float, default=d.idle_duplicate_weight,
-                   help="the same on a worker with no open request (default 0: its copy delays "
-                        "no other request, so the request goes where its first token comes "
-                        "sooner; 1: gather on the peer computing the pages, as on a busy one)")
+                   help="the same on a worker with no open request (default 1: gather on the "
+                        "peer computing the pages, as on a busy one; 0: its copy delays no other "
+                        "request, so the request goes where its first token comes sooner, at the "
+                        "price of a second computed copy)")
     p.add_argument("--pool-weight", type=float, default=d.pool_weight,
                    help="workers sharing a KV pool: kv cost per page the request would load "
                         "from the pool instead of computing it (a computed page costs 1)")

@@ -19,11 +19,13 @@
 #include <tuple>
 #include <vector>
 
-#ifdef __AVX2__
-#include <immintrin.h>
-#endif
+#include "attention_math.h"  // load8: 8 float32 or bf16 values widened to float32
 
 namespace {
+
+#ifdef __AVX2__
+using deepinfer_attention::load8;
+#endif
 
 constexpr int64_t kRowsPerTask = 64;
 
@@ -150,28 +152,20 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
 // and a NaN counts as largest (the first NaN wins). A greedy step reads one per sequence from
 // [rows, vocab] logits; torch's argmax takes them one element at a time, and a bf16 row first
 // costs a float32 copy of the logits.
-#ifdef __AVX2__
-inline __m256 load8f(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8f(const at::BFloat16* p) {
-  __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
-}
-#endif
-
 template <typename S>
 int64_t argmax_row(const S* x, int64_t V) {
   int64_t best = 0, i = 0;
   float top = static_cast<float>(x[0]);
 #ifdef __AVX2__
   if (V >= 16) {  // per lane: the first largest value; a strict > keeps the earlier index on ties
-    __m256 vbest = load8f(x);
+    __m256 vbest = load8(x);
     __m256i vidx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     __m256i cur = vidx;
     __m256 nan = _mm256_cmp_ps(vbest, vbest, _CMP_UNORD_Q);
     const __m256i step = _mm256_set1_epi32(8);
     for (i = 8; i + 8 <= V; i += 8) {
       cur = _mm256_add_epi32(cur, step);
-      const __m256 v = load8f(x + i);
+      const __m256 v = load8(x + i);
       const __m256 gt = _mm256_cmp_ps(v, vbest, _CMP_GT_OQ);
       nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
       vbest = _mm256_blendv_ps(vbest, v, gt);
