@@ -15,8 +15,9 @@ the same loads with the per-page Python reads (``DiskStore.read_into``); for los
 torch ops instead of the native decode (``native_pages.py``), into a second pool that must come
 out bit-identical. Prints seconds (best of the rounds), each one's speed as a share of ``raw``
 and the CPU seconds the process spent (best of the rounds; steadier than wall time where other
-work shares the cores); ``raw`` reads into one reused buffer that stays in the CPU cache, the others write
-384 MB of distinct L1 memory.
+work shares the cores) and the most minor page faults one round took; ``raw`` reads into one reused
+buffer that stays in the CPU cache, ``raw-distinct`` the same files into distinct memory touched
+beforehand (the bound for a load, which writes 384 MB of distinct, already touched L1 memory).
 
     python benchmarks/l3_load.py [--pages 520] [--codecs lossless,fp8,fp4] [--rounds 3]
         [--readers 4]
@@ -67,12 +68,13 @@ def tier_io(pool: PagePool, disk: str, codec: str, readers: int, native: bool = 
                   disk_codec=codec, read_ahead=readers)
 
 
-def seconds(fn: Callable[[], None]) -> tuple[float, float]:
-    """-> (wall seconds, CPU seconds of the whole process: on a shared machine the steadier)."""
+def seconds(fn: Callable[[], None]) -> tuple[float, float, int]:
+    """-> (wall seconds, CPU seconds of the whole process: on a shared machine the steadier,
+    minor page faults: whether the case wrote into memory it touched for the first time)."""
     r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
     fn()
     r1, t1 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
-    return t1 - t0, r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime
+    return t1 - t0, r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime, r1.ru_minflt - r0.ru_minflt
 
 
 def one_codec(codec: str, n: int, rounds: int, readers: int, work: Path) -> dict[str, dict]:
@@ -108,6 +110,16 @@ def one_codec(codec: str, n: int, rounds: int, readers: int, work: Path) -> dict
             with open(p, "rb") as f:
                 while f.read(1 << 22):
                     pass
+
+    sizes = [os.path.getsize(f) for f in files]
+    flat = torch.ones(sum(sizes), dtype=torch.uint8)  # touched: no page faults
+    spans = [memoryview(flat[a - b : a].numpy()) for a, b in
+             zip(torch.tensor(sizes).cumsum(0).tolist(), sizes)]
+
+    def raw_distinct() -> None:
+        for p, span in zip(files, spans):
+            with open(p, "rb", buffering=0) as f:
+                f.readinto(span)
 
     def copy() -> None:
         for i, p in enumerate(files):
@@ -162,7 +174,7 @@ def one_codec(codec: str, n: int, rounds: int, readers: int, work: Path) -> dict
             into.wait(1.0)
         assert job.num_loaded == n, job.num_loaded
 
-    cases = {"raw": raw, "load": load, "load-py": lambda: load(py_loader)}
+    cases = {"raw": raw, "raw-distinct": raw_distinct, "load": load, "load-py": lambda: load(py_loader)}
     if codec != "lossless":
         cases["load-torch"] = lambda: load(torch_loader)
     else:  # the in-place floor and the one-thread check (other codecs decode)
@@ -170,16 +182,17 @@ def one_codec(codec: str, n: int, rounds: int, readers: int, work: Path) -> dict
     out: dict[str, dict] = {}
     for state in ("cached", "cold"):
         best = {name: float("inf") for name in cases}
-        cpu = dict(best)
+        cpu, faults = dict(best), dict.fromkeys(cases, 0)
         for _ in range(rounds):
             for name, fn in cases.items():
                 if state == "cold":
                     drop_page_cache(files)
                 else:
                     raw()
-                wall, used = seconds(fn)
+                wall, used, flt = seconds(fn)
                 best[name], cpu[name] = min(best[name], wall), min(cpu[name], used)
-        out[state] = {"bytes": nbytes, "seconds": best, "cpu_seconds": cpu,
+                faults[name] = max(faults[name], flt)
+        out[state] = {"bytes": nbytes, "seconds": best, "cpu_seconds": cpu, "minflt": faults,
                       "vs_raw": {k: best["raw"] / v for k, v in best.items()}}
     for a, b, c in zip(src.owned_buffers(), dst.owned_buffers(), dst_torch.owned_buffers()):
         if codec == "lossless":
@@ -204,7 +217,8 @@ def main() -> None:
         for codec in args.codecs.split(","):
             res = one_codec(codec, args.pages, args.rounds, args.readers, Path(tmp))
             for state, r in res.items():
-                cells = "  ".join(f"{k} {s:.3f} s ({r['vs_raw'][k]:.2f}x, cpu {r['cpu_seconds'][k]:.3f} s)"
+                cells = "  ".join(f"{k} {s:.3f} s ({r['vs_raw'][k]:.2f}x, cpu {r['cpu_seconds'][k]:.3f} s, "
+                                  f"{r['minflt'][k]} faults)"
                                   for k, s in r["seconds"].items())
                 print(f"{codec:8s} {state:6s} {r['bytes'] / 1e6:.0f} MB: {cells}", flush=True)
 
