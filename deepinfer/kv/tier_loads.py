@@ -71,6 +71,8 @@ class TierLoads:
         if busy and not force:
             return True
         req.kv_prefetched = True
+        if self.stream_layers:  # (before the pages are reserved: it may cut the probe)
+            self.tiers.backend.stream_layers(job)
         self.tree.lock(job.locked)  # keeps the L1 prefix and the L2 slots being read in place
         need = len(job.sources) + len(job.probe)
         self.ensure_free(need)
@@ -83,8 +85,6 @@ class TierLoads:
         self._load_pages += n
         self._jobs.add(job)
         req.kv_load = job
-        if self.stream_layers:
-            self.tiers.backend.stream_layers(job)
         self.tiers.backend.start_load(job)
         return not job.done and job.layers is None
 

@@ -80,9 +80,16 @@ class PageLoader:
                                        "disk_pages_streamed"], 0)
 
     def stream_layers(self, job: LoadJob) -> bool:
-        """``TierBackend.stream_layers``: every page from L3, and a store and pool that can."""
+        """``TierBackend.stream_layers``: every page from L3, and a store and pool that can.
+        The probe is cut to the leading files present (a stat each): the request's streamed
+        step counts every page it is given, so a probed page past the stored run (the prompt's
+        new tail, when the tree did not know the files) would cost that step again."""
         if self.stream_store is None or any(t != DISK for t, _ in job.sources):
             return False
+        present = 0
+        while present < len(job.probe) and self.stream_store.contains(job.probe[present]):
+            present += 1
+        job.truncate(len(job.sources) + present)
         job.layers = LayerLoads(self.transfer.layer_group, len(self.transfer.buffer_groups))
         return True
 

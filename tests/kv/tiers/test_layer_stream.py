@@ -190,6 +190,24 @@ def test_a_streamed_hit_gives_the_tokens_of_a_whole_page_load(tiny_llama, tmp_pa
     assert calls[0] >= 1
 
 
+def test_a_tail_of_whole_pages_not_on_disk_runs_one_step(tiny_llama, tmp_path, on_disk,
+                                                         forward_first):
+    """A fresh engine's tree knows no L3 file, so its load probes the prompt's pages to the end;
+    the stream takes only the files present, and the tail is computed in the same step (no
+    rewind, no step run on pages that were never there)."""
+    p, _ = on_disk
+    tail = (7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17)  # two whole pages and three tokens
+    whole, _ = run(tiny_llama, tmp_path, p, stream=False, tail=tail)
+    forward_first(group=1)
+    streamed, st = run(tiny_llama, tmp_path, p, stream=True, tail=(18, 19, 20, 21, 22, 23, 24, 25, 26))
+    cold, _ = run(tiny_llama, tmp_path / "none", p, stream=False, tail=(18, 19, 20, 21, 22, 23, 24, 25, 26))
+    assert st["cache_streamed_loads_total"] == 1 and st["cache_streamed_rewinds_total"] == 0
+    assert st["disk_pages_streamed"] == 25
+    assert streamed.cached_tokens_by_tier == whole.cached_tokens_by_tier == {
+        "device": 0, "host": 0, "disk": 100}
+    assert streamed.token_ids == cold.token_ids
+
+
 def test_a_page_failing_its_check_after_the_forward_is_recomputed(tiny_llama, tmp_path, on_disk,
                                                                   forward_first):
     p, files = on_disk
