@@ -4,7 +4,10 @@
 For each codec, prompt size and hit rate: a prompt whose first ``hit`` share (whole pages) is
 cached answers its first token from L1, from L2, from L3 with its files in the OS page cache,
 and from L3 cold (the files dropped from the page cache with ``posix_fadvise(DONTNEED)``), the
-L3 cases in a fresh process each; next to (a) the cold prefill of the same prompt and (b) the
+L3 cases in a fresh process each, warmed up as a running server is: the same hit with another
+tail first (its L3 load and its tail's forward over the whole context: the first such forward
+of a process cost up to 3x the CPU of the next on a loaded 2-core machine, README #17), then
+L1 emptied and, for the cold case, the files dropped; next to (a) the cold prefill of the same prompt and (b) the
 bound: a plain sequential read of the same files (page-cached, and cold) plus the prefill of
 the uncached tail (the L1 TTFT stands for it); the read also into distinct memory touched
 beforehand (what a load does: its L1 pool is zeroed at start), the fairer bound for the load
@@ -49,17 +52,24 @@ CHUNK = 2048
 _CHILD = """
 import json, resource, sys
 sys.path.insert(0, {repo!r})
+sys.path.insert(0, {bench!r})
+from tiers import drop_page_cache
 from deepinfer.llm import LLM
 from deepinfer.sampling_params import SamplingParams
 model, disk, codec, pfile, stream = sys.argv[1:6]
+case = json.load(open(pfile))
 m = LLM(model or None, progress=False, num_pages={num_pages}, max_num_batched_tokens={chunk},
         host_cache_gb=0, kv_codec_disk=codec, enable_disk_cache=True, disk_cache_dir=disk,
         kv_stream_layers=stream == "1")
 one = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-m.generate(list(range(1000, 1000 + {tail})), one)  # warm-up: the tail's shapes, shares nothing
-prompt = json.load(open(pfile))
+# warm-up as a running server is: the same hit with another tail (an L3 load and the tail's
+# forward over the whole context), then L1 emptied, so the timed prompt loads from L3 again
+m.generate(case["warm"], one)
+m.engine.kv.evict()
+if case["cold"]:
+    drop_page_cache(case["files"])
 flt = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-out = m.generate(prompt, one)[0]
+out = m.generate(case["prompt"], one)[0]
 flt = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - flt  # pool first touched? (no: zeroed)
 print(json.dumps({{"ttft": out.ttft, "by_tier": out.cached_tokens_by_tier, "minflt": flt,
                   "load_seconds": out.load_seconds, "load_bytes": out.load_bytes_by_tier,
@@ -96,11 +106,13 @@ def read_all_distinct(paths: list[str]) -> float:
     return time.perf_counter() - t0
 
 
-def l3_child(model, disk: Path, codec: str, prompt: list[int], tail: int, num_pages: int,
-             work: Path, stream: bool) -> dict:
-    pfile = work / "prompt.json"
-    pfile.write_text(json.dumps(prompt))
-    child = _CHILD.format(repo=str(REPO), num_pages=num_pages, chunk=CHUNK, tail=tail)
+def l3_child(model, disk: Path, codec: str, prompt: list[int], warm: list[int], files: list[str],
+             cold: bool, num_pages: int, work: Path, stream: bool) -> dict:
+    """The timed hit in a fresh process, after a warm-up hit on the same prefix (``_CHILD``)."""
+    pfile = work / "case.json"
+    pfile.write_text(json.dumps({"prompt": prompt, "warm": warm, "files": files, "cold": cold}))
+    child = _CHILD.format(repo=str(REPO), bench=str(REPO / "benchmarks"), num_pages=num_pages,
+                          chunk=CHUNK)
     out = subprocess.run([sys.executable, "-c", child, model or "", str(disk), codec, str(pfile),
                           "1" if stream else "0"], capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -111,7 +123,7 @@ def one_case(model, codec: str, n: int, hit: float, work: Path) -> dict:
     vocab, ps = m.engine.hf_config.vocab_size, m.engine.config.page_size
     del m
     base = random_ids(int(n * hit) // ps * ps, vocab, seed=n)
-    tails = [random_ids(n - len(base), vocab, seed=100 + i) for i in range(7)]
+    tails = [random_ids(n - len(base), vocab, seed=100 + i) for i in range(11)]
     disk = work / f"l3-{codec}-{n}-{hit}"
     num_pages = n // ps * 4 + 64
     m = llm(model, num_pages=num_pages, max_num_batched_tokens=CHUNK, host_cache_gb=4.0,
@@ -142,14 +154,12 @@ def one_case(model, codec: str, n: int, hit: float, work: Path) -> dict:
     row["raw_read_cold_distinct"] = read_all_distinct(files)
     row["raw_read_cached_distinct"] = read_all_distinct(files)
     read_all(files)  # back in the page cache
-    cases = (("l3_cached", tails[3], False), ("l3_cached_layers", tails[5], True),
-             ("l3_cold", tails[4], False), ("l3_cold_layers", tails[6], True))
-    for case, tail, stream in cases:  # whole-page and layer-wise loads, alternating
-        if "cold" in case:
-            drop_page_cache(files)
-        else:
-            read_all(files)
-        r = l3_child(model, disk, codec, base + tail, len(tail), num_pages, work, stream)
+    cases = (("l3_cached", 3, False), ("l3_cached_layers", 5, True),
+             ("l3_cold", 4, False), ("l3_cold_layers", 6, True))
+    for case, t, stream in cases:  # whole-page and layer-wise loads, alternating
+        read_all(files)  # (the child drops them for a cold case, after its warm-up)
+        r = l3_child(model, disk, codec, base + tails[t], base + tails[t + 4], files,
+                     "cold" in case, num_pages, work, stream)
         assert r["by_tier"]["disk"] == len(base), r
         row[case] = r["ttft"]
         row[f"{case}_load_seconds"] = r["load_seconds"]
