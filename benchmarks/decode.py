@@ -42,6 +42,7 @@ def measure(batch: int, context: int, steps: int, threads: int, profile: bool,
     """Seconds per decode step (best of ``steps``) of the deepinfer importable here, per decode
     attention backend; the backends take turns step by step in this one process (the runner
     reads ``config.attention_backend`` at each step; a checkout without it ignores it)."""
+    import deepinfer  # noqa: F401  (first: sets the OpenMP wait policy before torch loads)
     import torch
 
     from deepinfer.llm import LLM

@@ -34,11 +34,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
-import xxhash
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import deepinfer  # noqa: E402, F401  (first: sets the OpenMP wait policy before torch loads)
+import torch  # noqa: E402
+import xxhash  # noqa: E402
 from tiers import drop_page_cache  # noqa: E402
 
 from deepinfer.hardware import lscpu_model  # noqa: E402

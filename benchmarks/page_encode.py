@@ -21,9 +21,9 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import deepinfer  # noqa: E402, F401  (first: sets the OpenMP wait policy before torch loads)
+import torch  # noqa: E402
 from deepinfer.hardware import lscpu_model  # noqa: E402
 from deepinfer.kv.layout import KVSpec  # noqa: E402
 from deepinfer.kv.pool import PagePool  # noqa: E402

@@ -22,6 +22,7 @@ import statistics
 import time
 from contextlib import contextmanager
 
+import deepinfer  # noqa: F401  (first: sets the OpenMP wait policy before torch loads)
 import torch
 import torch.nn.functional as F
 

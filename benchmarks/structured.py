@@ -19,6 +19,7 @@ import json
 import statistics
 import time
 
+import deepinfer  # noqa: F401  (first: sets the OpenMP wait policy before torch loads)
 import torch
 
 from deepinfer.hardware import lscpu_model

@@ -26,6 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import deepinfer  # noqa: F401  (first: sets the OpenMP wait policy before torch loads)
 import torch
 
 REPO = Path(__file__).resolve().parents[1]

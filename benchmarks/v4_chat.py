@@ -22,6 +22,7 @@ import json
 import tempfile
 from pathlib import Path
 
+import deepinfer  # noqa: F401  (first: sets the OpenMP wait policy before torch loads)
 import torch
 from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 
