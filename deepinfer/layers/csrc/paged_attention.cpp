@@ -2,8 +2,7 @@
 // and values read in place from the page pool ([num_pages, page_size, kv_heads, dim]) through
 // its page table, so no layer copies K/V into a workspace first.
 //
-// Work item: (sequence, chunk of kSplit keys), its kv heads together (or one kv head each where
-// the items are too few for the threads). The q heads of one kv head (GQA) share
+// Work item: (sequence, kv head, chunk of kSplit keys). The q heads of one kv head (GQA) share
 // each key and value load (paged_block.h: a block's keys scored for each head from L1, each value
 // vector widened once for every head). Within a chunk keys are scored kBlock at a time, with an
 // online softmax in fp32 (running max, rescaled sum and accumulator); chunks are merged in order
@@ -42,26 +41,17 @@ struct Item {
   int64_t b, begin, end;  // sequence, positions [begin, end) of its keys
 };
 
-// One item for kv heads h0 .. h0 + hs - 1: partial[h][g] = (max, sum, acc[Dv]) over its keys.
-// Block by block, every head of the unit takes its turn (each head's arithmetic is a one-head
-// item's), so the unit reads each block's token rows once, all its heads side by side.
-template <typename T, typename Head>
-void attend_heads(const Item& it, Head&& head, int64_t h0, int64_t hs, const T* qh, int64_t G, float scale,
-                  float* part, std::vector<float>& qf, std::vector<float>& sc, std::vector<float>& cs) {
-  const PagedHead<T> kv0 = head(h0);
-  const int64_t D = kv0.D, Dv = kv0.Dv, row = Dv + 2;
-  for (int64_t h = 0; h < hs; ++h)
-    start_row(qh + h * G * D, G, D, Dv, scale, qf.data() + h * G * D, part + h * G * row);
+// One item of one kv head: partial[g] = (max, sum, acc[Dv]) over its keys.
+template <typename T>
+void attend_chunk(const Item& it, const PagedHead<T>& kv, const T* qh, int64_t G, float scale, float* part,
+                  std::vector<float>& qf, std::vector<float>& sc, std::vector<float>& cs) {
+  start_row(qh, G, kv.D, kv.Dv, scale, qf.data(), part);
   const T* krow[kBlock];
   const T* vrow[kBlock];
   for (int64_t pos0 = it.begin; pos0 < it.end; pos0 += kBlock) {
     const int64_t n = std::min(kBlock, it.end - pos0);
-    for (int64_t h = 0; h < hs; ++h) {
-      const PagedHead<T> kv = head(h0 + h);
-      kv.rows(pos0, n, krow, vrow);
-      attend_block(qh + h * G * D, qf.data() + h * G * D, scale, krow, vrow, n, G, D, Dv, part + h * G * row,
-                   sc.data(), cs.data());
-    }
+    kv.rows(pos0, n, krow, vrow);
+    attend_block(qh, qf.data(), scale, krow, vrow, n, G, kv.D, kv.Dv, part, sc.data(), cs.data());
   }
 }
 
@@ -82,35 +72,28 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   // region costs more than they do (and far more when another process holds a core).
   int64_t keys = 0;
   for (const Item& it : items) keys += it.end - it.begin;
-  const bool parallel = keys * Hq >= kMinParallel;
-  // A work unit is an item's heads together, or one head of it where too few items would leave
-  // threads idle (one long sequence).
-  const int64_t hs = !parallel || n_items >= 4 * at::get_num_threads() ? Hkv : 1, units = n_items * (Hkv / hs);
-  at::parallel_for(0, units, parallel ? 1 : std::max<int64_t>(1, units), [&](int64_t lo, int64_t hi) {
-    std::vector<float> qf(hs * G * D), sc(G * kBlock), cs(G);
-    // unit u's kv head h: the pool seen through its sequence's page table
-    auto head = [&](int64_t u, int64_t h) {
-      const int64_t b = items[u * hs / Hkv].b;
-      return PagedHead<T>{kp + h * ks[2], vp + h * vs[2], ks, vs, pp + b * width, kv_start ? kv_start[b] : 0,
-                          S, D, Dv};
+  const int64_t grain = keys * Hq >= kMinParallel ? 1 : std::max<int64_t>(1, n_items * Hkv);
+  at::parallel_for(0, n_items * Hkv, grain, [&](int64_t lo, int64_t hi) {
+    std::vector<float> qf(G * D), sc(G * kBlock), cs(G);
+    // Item i's K/V rows of all heads, loaded into cache while the item before it runs (the first
+    // one up front): after the layer's weights went through the caches, an item's own loads, a
+    // few in flight at a time, waited on memory.
+    auto touch = [&](int64_t i) {
+      const Item& it = items[i];
+      PagedHead<T>{kp, vp, ks, vs, pp + it.b * width, kv_start ? kv_start[it.b] : 0, S, D, Dv}.touch(it.begin,
+                                                                                                    it.end, Hkv);
     };
-    // Each unit's K/V are loaded into cache one unit ahead (the first one up front): after the
-    // layer's weights went through the caches a unit's own loads, a few in flight at a time,
-    // waited on memory.
-    auto touch = [&](int64_t u) {
-      const Item& it = items[u * hs / Hkv];
-      head(u, u * hs % Hkv).touch(it.begin, it.end, hs);
-    };
-    if (lo < hi) touch(lo);
-    for (int64_t u = lo; u < hi; ++u) {
-      const Item& it = items[u * hs / Hkv];
-      const int64_t h0 = u * hs % Hkv;
-      if (u + 1 < hi) touch(u + 1);
-      attend_heads(it, [&](int64_t h) { return head(u, h); }, h0, hs, qp + (it.b * Hq + h0 * G) * D, G, scale,
-                   part.data() + u * hs * G * row, qf, sc, cs);
+    if (lo < hi) touch(lo / Hkv);
+    for (int64_t w = lo; w < hi; ++w) {
+      const Item& it = items[w / Hkv];
+      const int64_t h = w % Hkv;
+      if ((h == 0 || w == lo) && (w / Hkv + 1) * Hkv < hi) touch(w / Hkv + 1);
+      const PagedHead<T> kv{kp + h * ks[2], vp + h * vs[2], ks, vs, pp + it.b * width,
+                            kv_start ? kv_start[it.b] : 0, S, D, Dv};
+      attend_chunk(it, kv, qp + (it.b * Hq + h * G) * D, G, scale, part.data() + w * G * row, qf, sc, cs);
     }
   });
-  merge_rows(B, Hkv, G, Dv, parallel ? 16 : std::max<int64_t>(1, B * Hkv), [&](int64_t b, int64_t h) {
+  merge_rows(B, Hkv, G, Dv, grain == 1 ? 16 : std::max<int64_t>(1, B * Hkv), [&](int64_t b, int64_t h) {
     return std::make_tuple(part.data() + (first_item[b] * Hkv + h) * G * row, Hkv * G * row,
                            first_item[b + 1] - first_item[b]);
   }, out.data_ptr<T>());
