@@ -51,6 +51,7 @@ void attend_chunk(const Item& it, const PagedHead<T>& kv, const T* qh, int64_t G
   for (int64_t pos0 = it.begin; pos0 < it.end; pos0 += kBlock) {
     const int64_t n = std::min(kBlock, it.end - pos0);
     kv.rows(pos0, n, krow, vrow);
+    kv.prefetch(pos0 + kBlock, std::min(kBlock, it.end - pos0 - kBlock));
     attend_block(qh, qf.data(), scale, krow, vrow, n, G, kv.D, kv.Dv, part, sc.data(), cs.data());
   }
 }
