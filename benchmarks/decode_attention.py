@@ -10,6 +10,11 @@ interleaved, median of ``--reps`` per side; both give the same bits (asserted).
 
     python benchmarks/decode_attention.py [--batches 1 8 32] [--contexts 128 2700] [--threads 2]
     python benchmarks/decode_attention.py --spans 2 3 5 9 --contexts 2048 --dtypes bfloat16
+    python benchmarks/decode_attention.py --batches 32 --contexts 97 --dtypes bfloat16 --threads 1 --cold-mb 96
+
+``--cold-mb N`` reads an N MB buffer before every call, as a step's weights go through the caches
+between one layer's attention and the next, so K/V come from memory; ``kv_mb`` is what a call
+reads of them, ``native_gb_s`` that over the native call's time.
 
 Prints the CPU model with the results; one layer's time x 30 is what a SmolLM2 step spends on it.
 """
@@ -44,7 +49,7 @@ def make_batch(batch: int, context: int, backend: str, workspace: Workspace) -> 
                         attention_backend=backend)
 
 
-def measure(batch: int, context: int, reps: int, dtype: torch.dtype) -> dict:
+def measure(batch: int, context: int, reps: int, dtype: torch.dtype, sweep: torch.Tensor | None = None) -> dict:
     g = torch.Generator().manual_seed(1)
     num_pages = batch * -(-context // PAGE) + 1
     k = torch.randn(num_pages, PAGE, HKV, DIM, generator=g).to(dtype)
@@ -55,12 +60,15 @@ def measure(batch: int, context: int, reps: int, dtype: torch.dtype) -> dict:
     for _ in range(reps):
         for side, backend in (("torch", "torch"), ("native", "auto")):
             b = make_batch(batch, context, backend, ws)  # a new batch per step, as the runner builds
+            if sweep is not None:
+                sweep.max()
             t0 = time.perf_counter()
             decode_attention(q, k, v, b, DIM ** -0.5)
             best[side] = min(best[side], time.perf_counter() - t0)
+    kv_mb = 2 * batch * context * HKV * DIM * k.element_size() / 1e6
     return {"batch": batch, "context": context, "dtype": str(dtype).removeprefix("torch."),
             "torch_ms": best["torch"] * 1e3, "native_ms": best["native"] * 1e3,
-            "speedup": best["torch"] / best["native"]}
+            "speedup": best["torch"] / best["native"], "kv_mb": kv_mb, "native_gb_s": kv_mb / best["native"] / 1e3}
 
 
 def measure_span(rows: int, context: int, reps: int, dtype: torch.dtype) -> dict:
@@ -98,18 +106,24 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--dtypes", nargs="+", default=["float32"], choices=["float32", "bfloat16"])
     p.add_argument("--spans", type=int, nargs="+", default=[], help="span rows to time (instead of batches)")
+    p.add_argument("--cold-mb", type=int, default=0, help="read this many MB before each decode call")
     args = p.parse_args()
     kernel = native_decode_kernel()
     if not kernel.loaded:
         raise SystemExit(f"native decode attention unavailable: {kernel.error}")
     torch.set_num_threads(args.threads)
+    sweep = torch.ones(args.cold_mb << 20, dtype=torch.uint8) if args.cold_mb else None
     for dtype in args.dtypes:
         for c in args.contexts:
             for b in args.spans or args.batches:
-                run = measure_span if args.spans else measure
-                print(json.dumps(run(b, c, args.reps, getattr(torch, dtype))), flush=True)
+                if args.spans:
+                    row = measure_span(b, c, args.reps, getattr(torch, dtype))
+                else:
+                    row = measure(b, c, args.reps, getattr(torch, dtype), sweep)
+                print(json.dumps(row), flush=True)
     print(f"CPU: {lscpu_model()}, {args.threads} thread(s), kernel {kernel.isa}; one layer, "
-          f"{'median' if args.spans else 'best'} of {args.reps} interleaved calls per side; "
+          f"{'median' if args.spans else 'best'} of {args.reps} interleaved calls per side"
+          f"{f', {args.cold_mb} MB read before each' if sweep is not None else ''}; "
           f"load average {os.getloadavg()[0]:.2f}")
 
 

@@ -22,11 +22,18 @@ import torch.nn.functional as F
 from ..forward_batch import ForwardBatch
 from .chunk_attention import prefix_then_causal, splits_at_prefix
 from .native_decode import decode_backend, native_decode, span_rows
+from .native_ops import small_ops_apply
 from .native_prefill import native_prefill, prefill_backend
 
 
 def store_kv(cache: torch.Tensor, x: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Write new tokens' entries ``x`` [T, heads, dim] into their slots of ``cache``."""
+    """Write new tokens' entries ``x`` [T, heads, dim] into their slots of ``cache``: one native
+    row copy per token and head where the small ops apply (``index_copy_`` goes element by
+    element), else ``index_copy_``."""
+    if x.dim() == 3 and cache.dim() == 4 and x.dtype == cache.dtype and x.stride(-1) == 1 \
+            and cache.stride(-1) == 1 and small_ops_apply(x):
+        torch.ops.deepinfer_ops.store_rows(cache, x, slot_mapping.contiguous())
+        return
     cache.view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, x.to(cache.dtype))
 
 
@@ -117,8 +124,10 @@ def paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                     scale: float, window: int | None = None, softcap: float | None = None,
                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [T, Hq, D]; k_new/v_new: this step's K/V (already stored). Returns [T, Hq, Dv]."""
-    out = q.new_empty(q.shape[0], q.shape[1], v_cache.shape[-1])
     nd = batch.num_decodes
+    if nd and nd == q.shape[0]:  # decodes only: no output buffer to copy them into
+        return decode_attention(q, k_cache, v_cache, batch, scale, window, softcap, sinks)
+    out = q.new_empty(q.shape[0], q.shape[1], v_cache.shape[-1])
     if nd:
         out[:nd] = decode_attention(q[:nd], k_cache, v_cache, batch, scale, window, softcap, sinks)
     for i, seg in enumerate(batch.prefills):

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from deepinfer import native_build
 from deepinfer.layers import norm, rotary
+from deepinfer.layers.attention import store_kv
 from deepinfer.layers.native_ops import argmax_rows, small_ops_apply, small_ops_kernel
 from deepinfer.layers.norm import RMSNorm
 from deepinfer.layers.rotary import RotaryEmbedding
@@ -147,3 +148,23 @@ def test_argmax_rows_is_torch_argmax(kernel, dtype, vocab):
     got = argmax_rows(x)
     assert torch.equal(got, x.argmax(dim=-1))
     assert torch.equal(argmax_rows(x[:1]), x[:1].argmax(dim=-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_kv_writes_what_index_copy_writes(kernel, dtype):
+    g = torch.Generator().manual_seed(7)
+    cache = torch.randn(20, 16, 3, 64, generator=g).to(dtype)
+    want = cache.clone()
+    qkv = torch.randn(5, 15 * 64, generator=g).to(dtype)
+    v = qkv[:, 12 * 64:].view(5, 3, 64)  # a strided view of the fused projection, as the models pass it
+    slots = torch.tensor([0, 17, 319, 5, 160])
+    assert small_ops_apply(v)
+    store_kv(cache, v, slots)
+    want.view(-1, 3, 64).index_copy_(0, slots, v)
+    assert torch.equal(cache, want)
+
+
+def test_store_kv_slot_out_of_range_is_an_error(kernel):
+    cache = torch.zeros(2, 4, 1, 8)
+    with pytest.raises(RuntimeError, match="out of range"):
+        store_kv(cache, torch.ones(1, 1, 8), torch.tensor([8]))

@@ -76,9 +76,19 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   const int64_t grain = keys * Hq >= kMinParallel ? 1 : std::max<int64_t>(1, n_items * Hkv);
   at::parallel_for(0, n_items * Hkv, grain, [&](int64_t lo, int64_t hi) {
     std::vector<float> qf(G * D), sc(G * kBlock), cs(G);
+    // Item i's K/V rows of all heads, loaded into cache while the item before it runs (the first
+    // one up front): after the layer's weights went through the caches, an item's own loads, a
+    // few in flight at a time, waited on memory.
+    auto touch = [&](int64_t i) {
+      const Item& it = items[i];
+      PagedHead<T>{kp, vp, ks, vs, pp + it.b * width, kv_start ? kv_start[it.b] : 0, S, D, Dv}.touch(it.begin,
+                                                                                                    it.end, Hkv);
+    };
+    if (lo < hi) touch(lo / Hkv);
     for (int64_t w = lo; w < hi; ++w) {
       const Item& it = items[w / Hkv];
       const int64_t h = w % Hkv;
+      if ((h == 0 || w == lo) && (w / Hkv + 1) * Hkv < hi) touch(w / Hkv + 1);
       const PagedHead<T> kv{kp + h * ks[2], vp + h * vs[2], ks, vs, pp + it.b * width,
                             kv_start ? kv_start[it.b] : 0, S, D, Dv};
       attend_chunk(it, kv, qp + (it.b * Hq + h * G) * D, G, scale, part.data() + w * G * row, qf, sc, cs);

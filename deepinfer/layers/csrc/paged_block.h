@@ -56,6 +56,22 @@ struct PagedHead {
     }
 #endif
   }
+  // Loads one byte of every cache line of the K and V rows of positions [begin, end), for this
+  // head and the next `heads - 1` (side by side in the pool), so that they are in cache when the
+  // kernel reads them. Plain independent loads: against a step's cold reads (the weights just
+  // went through the caches) the prefetch instructions above gained nothing measurable on Zen 4,
+  // while these stream (README, "eleventh session").
+  void touch(int64_t begin, int64_t end, int64_t heads) const {
+    const int64_t k_bytes = ((heads - 1) * ks[2] + D) * static_cast<int64_t>(sizeof(T));
+    const int64_t v_bytes = ((heads - 1) * vs[2] + Dv) * static_cast<int64_t>(sizeof(T));
+    for (int64_t pos = begin, p = (pos - first) / S, off = (pos - first) % S; pos < end;
+         ++pos, off = off + 1 == S ? (++p, 0) : off + 1) {
+      const volatile char* kr = reinterpret_cast<const volatile char*>(k + table[p] * ks[0] + off * ks[1]);
+      const volatile char* vr = reinterpret_cast<const volatile char*>(v + table[p] * vs[0] + off * vs[1]);
+      for (int64_t b = 0; b < k_bytes; b += 64) (void)kr[b];
+      for (int64_t b = 0; b < v_bytes; b += 64) (void)vr[b];
+    }
+  }
 };
 
 // Starts a row's chunk: part[g] = (max -inf, sum 0, acc[Dv] 0) for its G heads (rows of Dv + 2

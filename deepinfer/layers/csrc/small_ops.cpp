@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -216,6 +217,30 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   return out;
 }
 
+// cache[slot // S, slot % S] = x[t] for each t (slot = slots[t]), cache [pages, S, H, D] and x
+// [T, H, D] of one dtype with dense last dims: the step's new K or V rows written into their
+// pages by one call (torch's index_copy_ goes through TensorIterator element by element).
+void store_rows(at::Tensor& cache, const at::Tensor& x, const at::Tensor& slots) {
+  TORCH_CHECK(cache.dim() == 4 && x.dim() == 3 && float_or_bf16(x) && x.scalar_type() == cache.scalar_type(),
+              "cache [pages, S, H, D] and x [T, H, D] must be float32 or bf16 of one dtype");
+  TORCH_CHECK(cache.sizes().slice(2) == x.sizes().slice(1) && cache.stride(3) == 1 && x.stride(2) == 1,
+              "cache and x differ in heads or dim, or a last dim is not dense");
+  TORCH_CHECK(slots.dim() == 1 && slots.size(0) == x.size(0) && slots.scalar_type() == at::kLong
+              && slots.is_contiguous(), "slots must be a contiguous int64 [T] tensor");
+  const int64_t T = x.size(0), H = x.size(1), S = cache.size(1), bytes = x.size(2) * x.element_size();
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < cache.size(0) * S, "slot ", sp[t], " out of range");
+  char* cp = static_cast<char*>(cache.data_ptr());
+  const char* xp = static_cast<const char*>(x.data_ptr());
+  const int64_t es = x.element_size();
+  for (int64_t t = 0; t < T; ++t) {
+    char* dst = cp + ((sp[t] / S) * cache.stride(0) + (sp[t] % S) * cache.stride(1)) * es;
+    for (int64_t h = 0; h < H; ++h)
+      std::memcpy(dst + h * cache.stride(2) * es, xp + (t * x.stride(0) + h * x.stride(1)) * es, bytes);
+  }
+}
+
 std::string isa() {
 #ifdef __AVX2__
   return "avx2";
@@ -231,9 +256,11 @@ TORCH_LIBRARY(deepinfer_ops, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("argmax_rows(Tensor x) -> Tensor");
+  m.def("store_rows(Tensor(a!) cache, Tensor x, Tensor slots) -> ()");
   m.def("isa() -> str", &isa);
   m.impl("rotate", c10::DispatchKey::CPU, TORCH_FN(rotate));
   m.impl("rms_norm", c10::DispatchKey::CPU, TORCH_FN(rms_norm));
   m.impl("add_rms_norm", c10::DispatchKey::CPU, TORCH_FN(add_rms_norm));
   m.impl("argmax_rows", c10::DispatchKey::CPU, TORCH_FN(argmax_rows));
+  m.impl("store_rows", c10::DispatchKey::CPU, TORCH_FN(store_rows));
 }
