@@ -20,7 +20,7 @@ greedy output equals off's token for token.
 runs only those (off always; each mode holds an engine, so fewer take less memory). Besides
 the speed-up of the summed times, ``round_speedup`` is the median over rounds (one prompt,
 every mode back to back) of each round's ratio to off: a burst of load from other processes
-that hits one mode's turn moves the sum, not the median. ``--users N`` sends N
+that hits one mode's turn moves the sum, not the median; ``round_range`` is their spread. ``--users N`` sends N
 copies of each prompt at once (a batch of N; per-user figures are their mean). With
 ``--temperature`` > 0 (seeded) outputs are not compared (a different draw is not a difference).
 
@@ -160,6 +160,7 @@ def main() -> None:
             per_round = [t / o for t, o in zip(a["rounds"], acc["off"]["rounds"])]
             rows.append(dict(workload=wl, mode=m, decode_tok_s=round(tps, 2),
                              speedup=round(tps / base, 3), round_speedup=round(statistics.median(per_round), 3),
+                             round_range=f"{min(per_round):.2f}-{max(per_round):.2f}",
                              total_s=round(a["total_s"], 2),
                              drafted=a["drafted"], verified=a["verified"], accepted=a["accepted"],
                              acceptance=round(a["accepted"] / a["verified"], 3) if a["verified"] else 0.0,
