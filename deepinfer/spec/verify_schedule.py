@@ -31,7 +31,9 @@ class SpsProfile:
     while every step verifies kept an older load's time. So consecutive observed steps form
     windows of ``WINDOW`` steps that share one load level, and log time = level(window) +
     shape(size) is fitted by alternating medians over the last ``HISTORY`` steps: a load shift
-    moves the levels, not the shape. A size with ``MIN_OBSERVED`` steps takes its fitted shape;
+    moves the levels, not the shape. A size with ``MIN_OBSERVED`` steps takes its fitted shape
+    (fewer, on a noisy machine, over-priced a size now and then, and with it every larger one,
+    which then no step ran to correct until the history forgot them);
     the fit fixes shapes only relative to each other, so they are anchored at the 1-token point
     when steps ran it, else so that their median correction over the start-up shape is 0 (the
     start-up ratio to a decode is then the only one known). Sizes no step ran take the
@@ -42,8 +44,8 @@ class SpsProfile:
     correct it, while an under-priced size is picked, observed and corrected."""
 
     WINDOW = 8  # consecutive observed steps taken to share one load level
-    HISTORY = 96  # observed steps kept (12 windows)
-    MIN_OBSERVED = 3
+    HISTORY = 64  # observed steps kept (8 windows)
+    MIN_OBSERVED = 8  # a size's steps in the history before its fit counts
     PASSES = 30  # the most alternating-median passes per completed window (warm-started)
     TOLERANCE = 1e-3  # ... stopping once no log shape moves more than this
 

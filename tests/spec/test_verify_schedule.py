@@ -127,16 +127,17 @@ def observe_windows(p, steps):
 def test_profile_follows_the_step_times_it_observes():
     p = SpsProfile([1, 2, 5], [100.0, 50.0, 40.0])  # start-up: 10, 20, 25 ms
     W = SpsProfile.WINDOW
+    assert SpsProfile.MIN_OBSERVED <= W
     for _ in range(W - 1):
         p.observe(2, 0.012)
     assert p(2) == pytest.approx(50.0)  # no complete window yet: still as measured
-    p.observe(1, 0.010)
     p.observe(3, 1.0)  # not a profiled point: ignored
-    # 2-token steps at 1.2x the 1-token step observed beside them: the 1-token point is
-    # observed once only (below MIN_OBSERVED), so the anchor is the start-up shape: the
-    # single observed size keeps its start-up ratio, nothing to compare it with
+    p.observe(2, 0.012)
+    # only 2-token steps: nothing to compare them with, so the single observed size keeps its
+    # start-up ratio to the 1-token point (the anchor), at the window's load
     assert p.seen == {1} and p(2) * p.seconds[0] == pytest.approx(0.5)
-    observe_windows(p, [(1, 0.010), (2, 0.012)] * (W // 2))  # now both are observed
+    assert p(2) == pytest.approx(1 / 0.012, rel=1e-3)
+    observe_windows(p, [(1, 0.010), (2, 0.012)] * W)  # 2-token steps beside 1-token ones
     assert p.seen == {0, 1} and 1 / (p(2) * p.seconds[0]) == pytest.approx(1.2, rel=1e-3)
     assert 1 / (p(5) * p.seconds[0]) == pytest.approx(1.2 * 1.25, rel=1e-3)  # unobserved: moves with 2
     assert 1 / (p(3) * p.seconds[0]) == pytest.approx(1.2 * (1 + 0.25 / 3), rel=1e-3)
