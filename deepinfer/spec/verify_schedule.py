@@ -77,6 +77,8 @@ class SpsProfile:
             self._price()
 
     def _fit(self) -> None:
+        """Alternating medians of log time = level(window) + shape(size), warm-started at the
+        last fit's shape."""
         seen: dict[int, float] = {}
         for _ in range(self.PASSES):
             by_window: dict[int, list[float]] = {}
@@ -90,7 +92,7 @@ class SpsProfile:
             shape, self.shape = self.shape, self._anchored(seen)
             if max(abs(x - y) for x, y in zip(shape, self.shape)) < self.TOLERANCE:
                 break
-        self.level = math.exp(level[max(level)] + self.shape[0])
+        self.level = math.exp(level[max(level)])  # the anchored shape of 1 token is 0
         self.seen = set(seen)
 
     def _anchored(self, seen: dict[int, float]) -> list[float]:
