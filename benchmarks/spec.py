@@ -20,7 +20,8 @@ greedy output equals off's token for token.
 runs only those (off always; each mode holds an engine, so fewer take less memory). Besides
 the speed-up of the summed times, ``round_speedup`` is the median over rounds (one prompt,
 every mode back to back) of each round's ratio to off: a burst of load from other processes
-that hits one mode's turn moves the sum, not the median. ``--users N`` sends N
+that hits one mode's turn moves the sum, not the median; ``round_range`` is their spread (each
+round's per-user decode tok/s per mode is in the summary's ``rounds``). ``--users N`` sends N
 copies of each prompt at once (a batch of N; per-user figures are their mean). With
 ``--temperature`` > 0 (seeded) outputs are not compared (a different draw is not a difference).
 
@@ -132,7 +133,7 @@ def main() -> None:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=0)
     for llm in llms.values():  # not counted: the scheduled mode measures its SPS profile here
         llm.chat([{"role": "user", "content": WARM_UP}], SamplingParams(max_tokens=16, temperature=0.0))
-    rows = []
+    rows, rounds = [], {}
     for wl in args.workloads.split(","):
         acc = {m: dict(decode_s=0.0, decoded=0, total_s=0.0, drafted=0, verified=0, accepted=0,
                        steps=0, identical=True, rounds=[]) for m in llms}
@@ -155,11 +156,13 @@ def main() -> None:
                     ref = ids if ref is None else ref
                     a["identical"] &= ids == ref
         base = acc["off"]["decoded"] / acc["off"]["decode_s"]
+        rounds[wl] = {m: a["rounds"] for m, a in acc.items()}
         for m, a in acc.items():
             tps = a["decoded"] / a["decode_s"]
             per_round = [t / o for t, o in zip(a["rounds"], acc["off"]["rounds"])]
             rows.append(dict(workload=wl, mode=m, decode_tok_s=round(tps, 2),
                              speedup=round(tps / base, 3), round_speedup=round(statistics.median(per_round), 3),
+                             round_range=f"{min(per_round):.2f}-{max(per_round):.2f}",
                              total_s=round(a["total_s"], 2),
                              drafted=a["drafted"], verified=a["verified"], accepted=a["accepted"],
                              acceptance=round(a["accepted"] / a["verified"], 3) if a["verified"] else 0.0,
@@ -169,7 +172,7 @@ def main() -> None:
     cpu = lscpu_model()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "summary.json").write_text(json.dumps(dict(cpu=cpu, args=vars(args), rows=rows), indent=2))
+    (out_dir / "summary.json").write_text(json.dumps(dict(cpu=cpu, args=vars(args), rows=rows, rounds=rounds), indent=2))
     print(f"CPU: {cpu}; method {args.method}, max_tokens {args.max_tokens}, repeats {args.repeats}, "
           f"dtype {args.dtype}, quantization {args.quantization}, temperature {args.temperature}, "
           f"users {args.users}"

@@ -13,7 +13,8 @@ context and refined by the steps it runs (``SpsProfile.observe``). Reported: mod
 over off (decode steps' total price), verified and accepted tokens, per workload and mode,
 prompts in ``spec.py``'s order (one engine per mode answers all of them). ``--trace agent``
 prints each of that workload's steps; ``--noise`` slows the steps the profile observes, as
-load does; ``--prices FILE`` reuses the prices a run saved there (replays comparable across
+load does, step by step, and ``--drift`` as a load that moves between levels every
+``DRIFT_STEPS`` observed steps; ``--prices FILE`` reuses the prices a run saved there (replays comparable across
 code versions).
 
     python benchmarks/spec_replay.py [--dtype auto] [--contexts 40,150,400] [--max-tokens 160]
@@ -44,6 +45,7 @@ from deepinfer.spec.verify_schedule import SpsProfile, plan_verify
 from spec import WARM_UP, WORKLOADS, modes
 
 MAX_B = 17  # step tokens priced (a verify span of up to 16 draft tokens)
+DRIFT_STEPS = 20  # --drift: observed steps under one load level (not a multiple of a profile window)
 ENGINE = dict(kv_cache_memory_gb=0.5, host_cache_gb=0, enable_disk_cache=False,
               enable_prefix_cache=False, progress=False, threads=1)
 
@@ -101,13 +103,15 @@ def price(prices: dict[int, list[float]], b: int, ctx: int) -> float:
 
 
 def replay(sc: SpeculativeConfig, refs: list[tuple[str, list[int], list[int]]],
-           prices: dict[int, list[float]], trace: str | None = None, noise: float = 0.0
-           ) -> dict[str, tuple[float, int, int]]:
+           prices: dict[int, list[float]], trace: str | None = None, noise: float = 0.0,
+           drift: float = 0.0) -> dict[str, tuple[float, int, int]]:
     """One mode over the prompts in order: per workload (speed-up, verified, accepted); every
     step of workload ``trace`` is printed (context, draft features, confidences, the profile's
     step prices, verified and accepted tokens), to see why the scheduler verified what it did.
     ``noise``: the profile observes each step's price times 1 + noise * E, E ~ Exp(1) seeded
-    (load only slows a step, now and then much), while the step is charged its price."""
+    (load only slows a step, now and then much), while the step is charged its price.
+    ``drift``: the observed steps are also slowed by a level drawn from 1..1 + drift (seeded),
+    a new one every ``DRIFT_STEPS`` steps."""
     calibrator = Calibrator(sc.calibration_window)
     source, _ = weight_free_source(sc, calibrator)
     warm = len(refs[0][1]) + len(refs[0][2])
@@ -116,7 +120,7 @@ def replay(sc: SpeculativeConfig, refs: list[tuple[str, list[int], list[int]]],
     dense = list(range(1, sc.num_tokens + 2))
     sps = SpsProfile(dense, [start(b) for b in dense])
     totals: dict[str, list[float]] = {}
-    rng = random.Random(0)
+    rng, drift_rng, level, steps = random.Random(0), random.Random(1), 1.0, 0
     for wl, prompt, ref in refs:
         req = Request(wl, list(prompt), SamplingParams(max_tokens=len(ref), temperature=0.0))
         req.output_token_ids = ref[:1]  # the prefill's token: not a decode step
@@ -142,7 +146,10 @@ def replay(sc: SpeculativeConfig, refs: list[tuple[str, list[int], list[int]]],
                 req.spec.verified += n
                 req.spec.accepted += accepted
             p = price(prices, 1 + n, req.num_tokens)
-            sps.observe(1 + n, p * (1 + noise * rng.expovariate(1.0)))
+            if steps % DRIFT_STEPS == 0:
+                level = 1.0 + drift * drift_rng.random()
+            steps += 1
+            sps.observe(1 + n, p * level * (1 + noise * rng.expovariate(1.0)))
             cost += p
             req.output_token_ids += ref[done : done + accepted + 1]
         source.finished(req)
@@ -171,6 +178,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=160)
     ap.add_argument("--repeats", type=int, default=2, help="passes over the prompts (spec.py's order)")
     ap.add_argument("--noise", type=float, default=0.0, help="mean slow-down of the observed steps")
+    ap.add_argument("--drift", type=float, default=0.0, help="the observed steps' load level: 1..1 + this")
     ap.add_argument("--trace", default=None, help="print every step of this workload")
     ap.add_argument("--modes", default=None, help="comma-separated subset of k=3,k=5,scheduled,auto")
     ap.add_argument("--prices", default=None, help="JSON file: read the step prices, or save them")
@@ -186,7 +194,7 @@ def main() -> None:
             saved.write_text(json.dumps(prices))
     order = refs[:1] + [r for wl in WORKLOADS for _ in range(args.repeats) for r in refs[1:] if r[0] == wl]
     print(f"CPU: {lscpu_model()}; step prices: dtype {args.dtype}, 1 thread, CPU time; "
-          f"{args.max_tokens} tokens, {args.repeats} passes, noise {args.noise}")
+          f"{args.max_tokens} tokens, {args.repeats} passes, noise {args.noise}, drift {args.drift}")
     for ctx, row in prices.items():
         print(f"price at context {ctx}: " + " ".join(f"{p:.3f}" for p in row))
     print("| workload | mode | modelled speed-up | verified | accepted |\n|---|---|---:|---:|---:|")
@@ -195,7 +203,7 @@ def main() -> None:
             continue
         if args.trace:
             print(f"trace of {mode} on {args.trace}:")
-        results = replay(sc, order, prices, args.trace, args.noise)
+        results = replay(sc, order, prices, args.trace, args.noise, args.drift)
         for wl, (speedup, verified, accepted) in results.items():
             print(f"| {wl} | {mode} | {speedup:.3f} | {verified} | {accepted} |", flush=True)
 

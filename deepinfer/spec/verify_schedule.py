@@ -10,6 +10,7 @@ while each raises Theta (DSpark's walk, exactly).
 from __future__ import annotations
 
 import itertools
+import math
 import statistics
 from bisect import bisect_left
 from collections import deque
@@ -21,20 +22,32 @@ class SpsProfile:
     extrapolated from the last two beyond the largest. Times are made non-decreasing in B (a
     running maximum), since more tokens never cost less: a noisy point cannot invert the curve.
 
-    The points measured at start-up are refined by the steps the engine then runs
-    (``observe``): a point with ``MIN_OBSERVED`` recent step times takes their median, and the
-    others move with the 1-token point's drift, so the curve follows the load the steps really
-    run under instead of one start-up snapshot (on a shared CPU that snapshot priced the first
-    span token at +50% where the steps beside it ran at +16%). Every span point is also priced
-    at no more than an observed point with more tokens: the scheduler never picks a size it
-    over-prices, so without that bound no step would ever correct it, while an under-priced
-    size is picked, observed and corrected within ``MIN_OBSERVED`` steps. That holds for an
-    observed point too: a few slow steps can over-price it for good, and through the running
-    maximum every larger size with it, beside larger steps observed cheaper (a bf16 agent run
-    then verified nothing of drafts with a low first confidence: README, "Measured figures")."""
+    Only the curve's shape decides the walk (scaling SPS by a constant changes no comparison),
+    so the profile keeps log step times relative to the 1-token point. The start-up shape
+    (each size against a 1-token step of the same round) is refined by the steps the engine
+    then runs (``observe``), and on a shared machine the load moves between them: absolute
+    times taken whenever a plan picks a size, compared across sizes, priced sizes observed
+    under a burst above sizes observed after it, and a 1-token point that no step re-observes
+    while every step verifies kept an older load's time. So consecutive observed steps form
+    windows of ``WINDOW`` steps that share one load level, and log time = level(window) +
+    shape(size) is fitted by alternating medians over the last ``HISTORY`` steps: a load shift
+    moves the levels, not the shape. A size with ``MIN_OBSERVED`` steps takes its fitted shape
+    (fewer, on a noisy machine, over-priced a size now and then, and with it every larger one,
+    which then no step ran to correct until the history forgot them);
+    the fit fixes shapes only relative to each other, so they are anchored at the 1-token point
+    when steps ran it, else so that their median correction over the start-up shape is 0 (the
+    start-up ratio to a decode is then the only one known). Sizes no step ran take the
+    start-up shape plus the correction interpolated between their observed neighbours.
 
-    RECENT = 16  # step times kept per point
-    MIN_OBSERVED = 3
+    Every span point is also priced at no more than an observed point with more tokens: the
+    scheduler never picks a size it over-prices, so without that bound no step would ever
+    correct it, while an under-priced size is picked, observed and corrected."""
+
+    WINDOW = 8  # consecutive observed steps taken to share one load level
+    HISTORY = 64  # observed steps kept (8 windows)
+    MIN_OBSERVED = 8  # a size's steps in the history before its fit counts
+    PASSES = 30  # the most alternating-median passes per completed window (warm-started)
+    TOLERANCE = 1e-3  # ... stopping once no log shape moves more than this
 
     def __init__(self, tokens: list[int], steps_per_s: list[float]) -> None:
         if not tokens or len(tokens) != len(steps_per_s) or sorted(tokens) != list(tokens):
@@ -42,24 +55,64 @@ class SpsProfile:
         if any(s <= 0 for s in steps_per_s):
             raise ValueError("SPS rates must be positive")
         self.tokens = list(tokens)
-        self.measured = [1.0 / s for s in steps_per_s]
-        self.recent: list[deque[float]] = [deque(maxlen=self.RECENT) for _ in tokens]
-        self._refresh()
+        self.index = {b: i for i, b in enumerate(tokens)}
+        self.start = [math.log(steps_per_s[0] / s) for s in steps_per_s]  # log t(b) / t(1)
+        self.shape = list(self.start)
+        self.history: deque[tuple[int, int, float]] = deque(maxlen=self.HISTORY)
+        self.observed = 0  # steps observed so far (their windows are observed // WINDOW)
+        self.level = 1.0 / steps_per_s[0]  # the latest window's 1-token time (SPS's scale)
+        self.seen: set[int] = set()  # points with MIN_OBSERVED steps in the history
+        self._price()
 
     def observe(self, b: int, seconds: float) -> None:
-        """A step of ``b`` tokens took ``seconds`` (ignored unless ``b`` is a profiled point)."""
-        if b in self.tokens:
-            self.recent[self.tokens.index(b)].append(seconds)
-            self._refresh()
+        """A step of ``b`` tokens took ``seconds`` (ignored unless ``b`` is a profiled point);
+        the fit runs when a window is complete."""
+        i = self.index.get(b)
+        if i is None:
+            return
+        self.history.append((self.observed // self.WINDOW, i, math.log(seconds)))
+        self.observed += 1
+        if self.observed % self.WINDOW == 0:
+            self._fit()
+            self._price()
 
-    def _refresh(self) -> None:
-        seen = [statistics.median(r) if len(r) >= self.MIN_OBSERVED else None for r in self.recent]
-        drift = 1.0 if seen[0] is None else seen[0] / self.measured[0]
-        points = [m * drift if s is None else s for m, s in zip(self.measured, seen)]
+    def _fit(self) -> None:
+        """Alternating medians of log time = level(window) + shape(size), warm-started at the
+        last fit's shape."""
+        seen: dict[int, float] = {}
+        for _ in range(self.PASSES):
+            by_window: dict[int, list[float]] = {}
+            for w, i, y in self.history:
+                by_window.setdefault(w, []).append(y - self.shape[i])
+            level = {w: statistics.median(v) for w, v in by_window.items()}
+            by_size: dict[int, list[float]] = {}
+            for w, i, y in self.history:
+                by_size.setdefault(i, []).append(y - level[w])
+            seen = {i: statistics.median(v) for i, v in by_size.items() if len(v) >= self.MIN_OBSERVED}
+            shape, self.shape = self.shape, self._anchored(seen)
+            if max(abs(x - y) for x, y in zip(shape, self.shape)) < self.TOLERANCE:
+                break
+        self.level = math.exp(level[max(level)])  # the anchored shape of 1 token is 0
+        self.seen = set(seen)
+
+    def _anchored(self, seen: dict[int, float]) -> list[float]:
+        """The full shape from the fitted ``seen`` sizes (see the class docstring)."""
+        if not seen:
+            return list(self.start)
+        shift = -seen[0] if 0 in seen else statistics.median(self.start[i] - s for i, s in seen.items())
+        known = sorted(seen.items())
+        xs = [self.tokens[i] for i, _ in known]
+        corr = [s + shift - self.start[i] for i, s in known]
+        if 0 not in seen:  # the anchor: the 1-token point keeps its start-up shape (0)
+            xs, corr = [self.tokens[0]] + xs, [0.0] + corr
+        return [s + interpolate(xs, corr, b) for b, s in zip(self.tokens, self.start)]
+
+    def _price(self) -> None:
+        points = [self.level * math.exp(s) for s in self.shape]
         cap = float("inf")  # the cheapest observed step with more tokens
-        for i in reversed(range(1, len(points))):  # the 1-token point is the drift's reference
+        for i in reversed(range(1, len(points))):
             points[i] = min(points[i], cap)
-            if seen[i] is not None:
+            if i in self.seen:
                 cap = points[i]
         self.seconds = list(itertools.accumulate(points, max))
 
@@ -70,6 +123,16 @@ class SpsProfile:
         i = min(max(bisect_left(t, b), 1), len(t) - 1)
         sec = s[i - 1] + (s[i] - s[i - 1]) * (b - t[i - 1]) / (t[i] - t[i - 1])
         return 1.0 / sec
+
+
+def interpolate(xs: list[int], ys: list[float], x: int) -> float:
+    """ys at x, linear between the points ``xs`` (ascending), constant beyond them."""
+    if x <= xs[0]:
+        return ys[0]
+    if x >= xs[-1]:
+        return ys[-1]
+    i = bisect_left(xs, x)
+    return ys[i - 1] + (ys[i] - ys[i - 1]) * (x - xs[i - 1]) / (xs[i] - xs[i - 1])
 
 
 def plan_verify(survival: list[list[float]], sps: Callable[[int], float],

@@ -180,7 +180,7 @@ def test_scheduled_mode_profiles_sps_at_the_running_context(models):
     assert [o.token_ids for o in llm.generate(ps, GREEDY)] == [r.token_ids for r in ref]
     (bucket, sps), = llm.engine.spec.sps.profiles.items()  # 21-61 tokens: one context bucket
     assert bucket == context_bucket(61) and sps.tokens == [1, 2, 3, 4] and all(s > 0 for s in sps.seconds)
-    before = len(sps.recent[0])
+    before = sps.observed
     steps: list[int] = []  # the token count of each step the lone request below runs
     observe = llm.engine.spec.sps.observe
     llm.engine.spec.sps.observe = lambda req, b, seconds: (steps.append(b), observe(req, b, seconds))
@@ -191,7 +191,7 @@ def test_scheduled_mode_profiles_sps_at_the_running_context(models):
     # before, so its first step is a 1-token one too (all of it but its last token is cached)
     assert len(steps) == len(one.token_ids) - one.num_accepted_tokens
     assert sum(b - 1 for b in steps) == one.num_verified_tokens and set(steps) <= set(sps.tokens)
-    assert len(sps.recent[0]) == min(SpsProfile.RECENT, before + steps.count(1))
+    assert sps.observed == before + len(steps)
     # every page not free is held by the tree: no page of a rejected draft or the profile leaked
     assert llm.engine.kv.num_free_pages == free - sum(len(n.tiers[0] or []) for n in _nodes(llm.engine.kv.tree))
 
@@ -204,7 +204,7 @@ def test_scheduled_mode_verifies_nothing_when_a_span_costs_a_step_per_token(mode
     outs = [llm.generate(p, GREEDY)[0] for p in ps]
     assert sum(o.num_drafted_tokens for o in outs) > 0
     assert sum(o.num_verified_tokens for o in outs) == 0
-    assert not any(llm.engine.spec.sps.fixed.recent)  # a given profile stays as given
+    assert llm.engine.spec.sps.fixed.observed == 0  # a given profile stays as given
     ref = make(models["llama"]).generate(ps, GREEDY)
     assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
 

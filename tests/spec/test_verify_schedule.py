@@ -117,47 +117,84 @@ def test_profile_interpolates_step_time():
         SpsProfile([4, 1], [1.0, 1.0])
 
 
+def observe_windows(p, steps):
+    """Feed (tokens, seconds) steps; the list fills whole windows."""
+    assert len(steps) % SpsProfile.WINDOW == 0
+    for b, t in steps:
+        p.observe(b, t)
+
+
 def test_profile_follows_the_step_times_it_observes():
     p = SpsProfile([1, 2, 5], [100.0, 50.0, 40.0])  # start-up: 10, 20, 25 ms
-    p.observe(2, 0.012)
-    p.observe(2, 0.013)
-    assert p(2) == pytest.approx(50.0)  # fewer than MIN_OBSERVED steps: still as measured
-    p.observe(2, 0.030)  # a burst of load: the median of the three holds
-    assert p(2) == pytest.approx(1 / 0.013)
+    W = SpsProfile.WINDOW
+    assert SpsProfile.MIN_OBSERVED <= W
+    for _ in range(W - 1):
+        p.observe(2, 0.012)
+    assert p(2) == pytest.approx(50.0)  # no complete window yet: still as measured
     p.observe(3, 1.0)  # not a profiled point: ignored
-    assert p(3) == pytest.approx(1 / (0.013 + (0.025 - 0.013) / 3))
-    for t in (0.020, 0.020, 0.020):  # the 1-token step now runs at twice its start-up time
-        p.observe(1, t)
-    assert p(1) == pytest.approx(50.0)
-    assert p(2) == pytest.approx(1 / 0.020)  # 13 ms observed, raised to the 1-token step's 20
-    assert p(5) == pytest.approx(1 / 0.050)  # unobserved: drifts with the 1-token point
-    assert len(p.recent[1]) == 3 and p.recent[1].maxlen == SpsProfile.RECENT
-    for _ in range(SpsProfile.RECENT):
-        p.observe(2, 0.040)  # the old times leave the window
-    assert p(2) == pytest.approx(1 / 0.040) and p(5) == pytest.approx(1 / 0.050)
+    p.observe(2, 0.012)
+    # only 2-token steps: nothing to compare them with, so the single observed size keeps its
+    # start-up ratio to the 1-token point (the anchor), at the window's load
+    assert p.seen == {1} and p(2) * p.seconds[0] == pytest.approx(0.5)
+    assert p(2) == pytest.approx(1 / 0.012, rel=1e-3)
+    observe_windows(p, [(1, 0.010), (2, 0.012)] * W)  # 2-token steps beside 1-token ones
+    assert p.seen == {0, 1} and 1 / (p(2) * p.seconds[0]) == pytest.approx(1.2, rel=1e-3)
+    assert 1 / (p(5) * p.seconds[0]) == pytest.approx(1.2 * 1.25, rel=1e-3)  # unobserved: moves with 2
+    assert 1 / (p(3) * p.seconds[0]) == pytest.approx(1.2 * (1 + 0.25 / 3), rel=1e-3)
+    assert p.seconds[0] == pytest.approx(0.010, rel=1e-3)  # the scale: the latest window's 1-token time
+    for _ in range(SpsProfile.HISTORY // W):  # the old steps leave the history
+        observe_windows(p, [(1, 0.010), (2, 0.015)] * (W // 2))
+    assert 1 / (p(2) * p.seconds[0]) == pytest.approx(1.5, rel=1e-3)
+
+
+def test_a_load_shift_between_windows_leaves_the_walks_decisions_unchanged():
+    """Steps of 5 and 9 tokens, the 1-token point never observed, the load switching between
+    windows (a 2-3x slower machine): the fitted shape is the same as under a steady load."""
+    rng = random.Random(3)
+    W = SpsProfile.WINDOW
+    start = [100.0, 80.0, 70.0, 60.0, 45.0]  # 1, 2, 3, 5, 9 tokens
+    steady, shifted = SpsProfile([1, 2, 3, 5, 9], start), SpsProfile([1, 2, 3, 5, 9], start)
+    for _ in range(6):
+        load = rng.choice([1.0, 2.0, 3.0])
+        for _ in range(W):
+            b = rng.choice([5, 9])
+            t = 0.010 * (1 + 0.04 * b) * (1 + 0.02 * rng.random())
+            steady.observe(b, t)
+            shifted.observe(b, t * load)
+    for p in (steady, shifted):
+        assert p.seen == {3, 4}
+        # the 9-token step's ratio to the 5-token one is what was observed, not the start-up's
+        assert p(5) / p(9) == pytest.approx(1.36 / 1.2, rel=0.02)
+    ratios = lambda p: [p(b) / p(1) for b in range(1, 10)]
+    assert ratios(shifted) == pytest.approx(ratios(steady))
+    for _ in range(200):
+        survival = random_survival(rng, rng.randint(1, 3), 8)
+        assert plan_verify(survival, shifted) == plan_verify(survival, steady)
+
+
+def test_a_burst_within_one_window_does_not_move_the_shape():
+    """Observed sizes are compared within windows: a window whose steps all ran slow only
+    moves that window's level."""
+    W = SpsProfile.WINDOW
+    p = SpsProfile([1, 2, 5], [100.0, 80.0, 60.0])
+    observe_windows(p, [(1, 0.010), (2, 0.011)] * (W // 2) * 2)
+    before = [p(b) / p(1) for b in (2, 5)]
+    observe_windows(p, [(1, 0.030), (2, 0.033)] * (W // 2))  # everything 3x slower
+    assert [p(b) / p(1) for b in (2, 5)] == pytest.approx(before)
+    assert p.seconds[0] == pytest.approx(0.030)
 
 
 def test_an_observed_larger_step_bounds_the_sizes_no_step_has_run():
     p = SpsProfile([1, 2, 5, 9], [100.0, 40.0, 38.0, 35.0])  # start-up: 10, 25, 26.3, 28.6 ms
-    for t in (0.014, 0.015, 0.016):  # 9-token steps run at 15 ms: 2 and 5 were over-priced
-        p.observe(9, t)
+    W = SpsProfile.WINDOW
+    # 1- and 9-token steps side by side, 9 at 1.5x: 2 and 5 were over-priced
+    observe_windows(p, [(1, 0.010), (9, 0.015)] * W)
+    assert p.seen == {0, 3}
     assert p(9) == pytest.approx(1 / 0.015)
     assert p(2) == pytest.approx(1 / 0.015) and p(5) == pytest.approx(1 / 0.015)
-    assert p(1) == pytest.approx(100.0)  # below the bound: as measured
-    for t in (0.012, 0.012, 0.012):  # then the 2-token steps run: their own median holds
-        p.observe(2, t)
-    assert p(2) == pytest.approx(1 / 0.012) and p(5) == pytest.approx(1 / 0.015)
-
-
-def test_an_observed_larger_step_bounds_an_observed_smaller_one():
-    # a few slow 2-token steps must not price 2-4 tokens above the 4-token steps that ran
-    # cheaper: an over-priced size is never picked again, so its own times never correct it
-    p = SpsProfile([1, 2, 3, 4], [100.0, 95.0, 90.0, 87.0])  # start-up: 10, 10.5, 11.1, 11.5 ms
-    for t in (0.014, 0.014, 0.015):  # three slow 2-token steps
-        p.observe(2, t)
-    assert p(2) == pytest.approx(1 / 0.014) and p(4) == pytest.approx(1 / 0.014)
-    for t in (0.011, 0.0115, 0.012):  # the 4-token steps run at 11.5 ms
-        p.observe(4, t)
-    assert p(2) == pytest.approx(1 / 0.0115) and p(3) == pytest.approx(1 / 0.0115)
-    # so a first draft token with a = 0.24 is verified (1.24 / 1.15 > 1), not skipped (1.24 / 1.4)
-    assert plan_verify([[0.24]], p) == [1]
+    assert p(1) == pytest.approx(100.0)
+    observe_windows(p, [(2, 0.012), (9, 0.015)] * W)  # then the 2-token steps run
+    assert p.seen == {0, 1, 3}
+    assert p(2) == pytest.approx(1 / 0.012, rel=1e-3)
+    # between two observed sizes: the start-up shape, corrected as its neighbours were
+    assert 1 / 0.015 < p(5) < 1 / 0.012
