@@ -1,9 +1,10 @@
 """L3 disk tier: one file per KV page in a directory that several processes may share.
 
-Layout: ``<dir>/<key[:2]>/<key>.kv`` (fan-out keeps directories small). The file format, and
-how a file is bound to the page it holds (a tag over header and payload; the header names the
-chained page hash and a digest of the token ids, checked against what the reader asked for),
-is ``disk_file.py``.
+Here: ``DiskStore``, the store's API (put / get / read_into / verify ...), its LRU index, its
+counters and its logging. The directory's layout and the file operations on it (paths, scan,
+atomic write, quarantine) are ``disk_dir.py``; the file format, and how a file is bound to the
+page it holds (a tag over header and payload; the header names the chained page hash and a
+digest of the token ids, checked against what the reader asked for), is ``disk_file.py``.
 
 Safety rules, because this is a cache and the engine must keep serving:
 
@@ -30,24 +31,20 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import re
 import threading
-import time
 from collections import OrderedDict
 from collections.abc import Sequence
 
 from ...log_limit import RateLimitedLog
+from . import disk_dir
+from .disk_dir import check_key, unlink_quiet
 from .disk_file import BadFile, PageFormat, PageId
 
 __all__ = ["DiskStore"]
 from .page_store import PageStore
-from .tmp_files import stale_tmp, tmp_name
 
 log = logging.getLogger(__name__)
 
-_KEY_RE = re.compile(r"[0-9a-f]{2,256}")
-_FANOUT_RE = re.compile(r"[0-9a-f]{2}")
-_QUARANTINE = "quarantine"
 _WRITE_ERRORS = {errno.ENOSPC: "no_space", errno.EDQUOT: "no_space", errno.EACCES: "permission",
                  errno.EPERM: "permission", errno.EROFS: "permission"}
 
@@ -102,40 +99,13 @@ class DiskStore(PageStore):
     # ------------------------------------------------------------------ paths and scan
 
     def file_path(self, key: str) -> str:
-        self._check_key(key)  # a key names a file under ``path``, nothing else
-        return os.path.join(self.path, key[:2], key + ".kv")
-
-    @staticmethod
-    def _check_key(key: str) -> None:
-        if not isinstance(key, str) or not _KEY_RE.fullmatch(key):
-            raise ValueError(f"disk store keys are 2-256 lowercase hex chars, got {key!r}")
-
-    def _fanout_dirs(self) -> list[os.DirEntry[str]]:
-        with os.scandir(self.path) as it:
-            return [d for d in it if _FANOUT_RE.fullmatch(d.name) and d.is_dir(follow_symlinks=False)]
+        return disk_dir.page_path(self.path, key)
 
     def _scan(self) -> None:
         """Build the index once (oldest mtime first) and remove stale temp files."""
-        now = time.time()
-        found: list[tuple[float, str, int]] = []
-        for d in self._fanout_dirs():
-            try:
-                entries = list(os.scandir(d.path))
-            except OSError:
-                continue  # removed under us
-            for f in entries:
-                try:
-                    st = f.stat(follow_symlinks=False)
-                except OSError:
-                    continue
-                if f.name.endswith(".kv") and _KEY_RE.fullmatch(f.name[:-3]):
-                    found.append((st.st_mtime, f.name[:-3], st.st_size))
-                elif f.name.endswith(".tmp") and stale_tmp(f.name, now - st.st_mtime, self.tmp_max_age_s):
-                    _unlink_quiet(f.path)
-                    with self._lock:
-                        self._counters["stale_tmp_removed"] += 1
-        found.sort()
+        found, stale = disk_dir.scan(self.path, self.tmp_max_age_s)
         with self._lock:
+            self._counters["stale_tmp_removed"] += stale
             self._index = OrderedDict((k, size) for _, k, size in found)
             self._bytes = sum(self._index.values())
             self._evict_locked(0)
@@ -166,7 +136,7 @@ class DiskStore(PageStore):
             key, size = self._index.popitem(last=False)
             self._bytes -= size
             self._counters["evictions"] += 1
-            _unlink_quiet(self.file_path(key))  # already gone (another process evicted it) is fine
+            unlink_quiet(self.file_path(key))  # already gone (another process evicted it) is fine
 
     def _read_checked(self, key: str, expect: PageId | None = None
                       ) -> tuple[dict, memoryview, int]:
@@ -195,18 +165,9 @@ class DiskStore(PageStore):
             self._quarantine(key)
 
     def _quarantine(self, key: str) -> None:
-        src = self.file_path(key)
-        qdir = os.path.join(self.path, _QUARANTINE)
-        try:
-            os.makedirs(qdir, exist_ok=True)
-            if len(os.listdir(qdir)) < self.max_quarantine:  # rare path, a listdir is fine
-                os.replace(src, os.path.join(qdir, f"{key}.{os.getpid()}.{time.time_ns()}.bad"))
-                with self._lock:
-                    self._counters["quarantined"] += 1
-                return
-        except OSError:
-            pass
-        _unlink_quiet(src)
+        if disk_dir.quarantine(self.path, key, self.max_quarantine):
+            with self._lock:
+                self._counters["quarantined"] += 1
 
     # ------------------------------------------------------------------ public API
 
@@ -216,7 +177,7 @@ class DiskStore(PageStore):
         self._check_open()
         if self.namespace is None:
             raise RuntimeError("a DiskStore opened without a namespace (maintenance) cannot write")
-        self._check_key(key)
+        check_key(key)
         with self._lock:
             self._drop_locked(key)  # re-added below at its new size
         head = self.format.head(key, len(payload), token_count, page)
@@ -230,19 +191,9 @@ class DiskStore(PageStore):
             return False
         with self._lock:
             self._evict_locked(size)
-        final = self.file_path(key)
-        tmp = os.path.join(os.path.dirname(final), tmp_name(key))
         try:
-            os.makedirs(os.path.dirname(final), exist_ok=True)
-            with open(tmp, "wb") as f:
-                f.write(head)
-                f.write(payload)
-                f.write(tag)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, final)
+            disk_dir.write_atomic(self.file_path(key), key, (head, payload, tag))
         except OSError as e:
-            _unlink_quiet(tmp)
             cause = _WRITE_ERRORS.get(e.errno, "other")
             with self._lock:
                 self._counters["write_errors"] += 1
@@ -266,7 +217,7 @@ class DiskStore(PageStore):
         """Payload bytes if present, intact and (given ``expect``) the page asked for, else None
         (bad files are counted and quarantined). ``view``: a memoryview, not a copy."""
         self._check_open()
-        self._check_key(key)
+        check_key(key)
         try:
             _, payload, size = self._read_checked(key, expect)
         except BadFile as bad:
@@ -293,7 +244,7 @@ class DiskStore(PageStore):
         """An open file of ``key`` for a read in pieces (``layer_stream.py``; end it with
         ``close_page``), or None: a counted miss."""
         self._check_open()
-        self._check_key(key)
+        check_key(key)
         try:
             return os.open(self.file_path(key), os.O_RDONLY)
         except OSError as e:
@@ -340,7 +291,7 @@ class DiskStore(PageStore):
     def contains(self, key: str) -> bool:
         """Cheap presence check: one stat, no read. A True can still turn into a get() miss."""
         self._check_open()
-        self._check_key(key)
+        check_key(key)
         try:
             size = os.stat(self.file_path(key)).st_size
         except OSError:
@@ -366,14 +317,11 @@ class DiskStore(PageStore):
         report = {"checked": 0, "ok": 0, "corrupt": 0, "checksum_failures": 0, "foreign": 0,
                   "bytes": 0, "repaired": 0}
         try:
-            dirs = self._fanout_dirs()
+            dirs = disk_dir.fanout_dirs(self.path)
         except OSError:
             return report
         for d in dirs:
-            for name in _listdir_quiet(d.path):
-                key = name[:-3]
-                if not name.endswith(".kv") or not _KEY_RE.fullmatch(key):
-                    continue
+            for key in disk_dir.page_keys(d.path):
                 try:
                     _, _, size = self._read_checked(key)
                 except BadFile as bad:
@@ -400,17 +348,7 @@ class DiskStore(PageStore):
         with self._lock:
             self._index.clear()
             self._bytes = 0
-        try:
-            dirs = self._fanout_dirs()
-        except OSError:
-            return
-        for d in dirs:
-            for name in _listdir_quiet(d.path):
-                if name.endswith(".kv"):
-                    _unlink_quiet(os.path.join(d.path, name))
-        qdir = os.path.join(self.path, _QUARANTINE)
-        for name in _listdir_quiet(qdir):
-            _unlink_quiet(os.path.join(qdir, name))
+        disk_dir.clear(self.path)
 
     def stats(self) -> dict[str, int]:
         with self._lock:
@@ -433,17 +371,3 @@ class DiskStore(PageStore):
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("DiskStore is closed")
-
-
-def _unlink_quiet(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
-
-
-def _listdir_quiet(path: str) -> list[str]:
-    try:
-        return os.listdir(path)
-    except OSError:
-        return []
