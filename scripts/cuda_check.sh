@@ -11,6 +11,6 @@ if not torch.cuda.is_available():
 print("cuda_check:", torch.cuda.get_device_name(0), "| torch", torch.__version__)
 PY
 DEEPINFER_TEST_DEVICE=cuda python -m pytest -q tests/layers tests/models tests/test_engine.py tests/test_overlap.py \
-    tests/test_tiers.py "$@"
+    tests/kv/tiers/test_engine_*.py tests/kv/tiers/test_l3_processes.py tests/kv/tiers/test_cache_cli.py "$@"
 python benchmarks/decode.py --device cuda --batches 1 8 32 --context 2048 --prefill 512 2048 8192 \
     --out results/cuda/decode
