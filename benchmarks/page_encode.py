@@ -27,7 +27,8 @@ import torch  # noqa: E402
 from deepinfer.hardware import lscpu_model  # noqa: E402
 from deepinfer.kv.layout import KVSpec  # noqa: E402
 from deepinfer.kv.pool import PagePool  # noqa: E402
-from deepinfer.kv.tiers.codecs import Codec, get_codec  # noqa: E402
+from deepinfer.kv.tiers.codec_base import Codec  # noqa: E402
+from deepinfer.kv.tiers.codecs import get_codec  # noqa: E402
 from deepinfer.kv.tiers.disk_file import page_id  # noqa: E402
 from deepinfer.kv.tiers.native_pages import encode_native, native_encodes  # noqa: E402
 from deepinfer.kv.tiers.page_bytes import PoolTransfer  # noqa: E402

@@ -25,7 +25,7 @@ from concurrent.futures import Executor, wait
 import torch
 
 from .batch_reads import BatchReads
-from .codecs import Codec
+from .codec_base import Codec
 from .disk_file import BadFile, PageFormat, PageId, TagHasher, tag_nbytes
 from .disk_store import DiskStore
 from .page_bytes import KVTransfer, write_decoded

@@ -25,7 +25,8 @@ from pathlib import Path
 import torch
 
 from ...native_build import NativeExtension, build_extension
-from .codecs import Codec, FP4Codec, FP8CenteredCodec, FP8Codec, MXFP4Codec
+from .codec_base import Codec
+from .codecs import FP4Codec, FP8CenteredCodec, FP8Codec, MXFP4Codec
 from .minifloat import HAS_NATIVE_FP8, decode_tables
 
 SOURCE = Path(__file__).parent / "csrc" / "page_codecs.cpp"

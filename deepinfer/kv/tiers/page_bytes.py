@@ -14,7 +14,7 @@ from typing import Protocol
 import torch
 
 from ..pool import PagePool
-from .codecs import Codec
+from .codec_base import Codec
 from .native_pages import decode_into, encode_native, native_decodes, native_encodes
 
 

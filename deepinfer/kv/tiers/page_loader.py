@@ -29,7 +29,7 @@ import torch
 from ..radix import DISK, HOST
 from .backend import LoadJob
 from .batch_reads import BatchReads
-from .codecs import Codec
+from .codec_base import Codec
 from .disk_file import PageId
 from .disk_store import DiskStore
 from .layer_stream import LayerLoads, stream_pages

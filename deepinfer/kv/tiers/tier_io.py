@@ -41,7 +41,8 @@ import torch
 
 from ...log_limit import RateLimitedLog
 from .backend import MOVES, LoadJob, TierBackend
-from .codecs import Codec, get_codec
+from .codec_base import Codec
+from .codecs import get_codec
 from .host_store import HostStore
 from .page_bytes import KVTransfer, check_codec, decode_pages, encode_pages, page_nbytes
 from .page_loader import PageLoader
