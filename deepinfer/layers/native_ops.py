@@ -39,3 +39,14 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     if x.dim() == 2 and x.shape[1] > 0 and x.stride(1) == 1 and small_ops_apply(x):
         return torch.ops.deepinfer_ops.argmax_rows(x)
     return x.argmax(dim=-1)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of ``gate_up`` [T, gate | up]: one native pass for bf16 on the CPU
+    (silu's exponential is ours, so a result may differ from torch's by an ulp, and a gate below
+    -87.3 gives -0 where torch's is under 1e-36); float32 keeps torch's ops, whose bits
+    transformers' float32 reference shares."""
+    if gate_up.dim() == 2 and gate_up.dtype == torch.bfloat16 and gate_up.stride(1) == 1 and small_ops_apply(gate_up):
+        return torch.ops.deepinfer_ops.silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up

@@ -21,6 +21,7 @@ from ..forward_batch import ForwardBatch
 from ..kv.layout import KVSpec
 from ..layers.attention import paged_attention, store_kv
 from ..layers.linear import FusedLinear
+from ..layers.native_ops import silu_mul
 from ..layers.norm import RMSNorm
 from ..layers.rotary import RotaryEmbedding, rope_inv_freq
 from .base import CausalLM
@@ -122,8 +123,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
-        return self.down_proj(nn.functional.silu(gate) * up)
+        return self.down_proj(silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):

@@ -25,6 +25,7 @@
 namespace {
 
 #ifdef __AVX2__
+using deepinfer_attention::exp8;
 using deepinfer_attention::load8;
 #endif
 
@@ -241,6 +242,66 @@ void store_rows(at::Tensor& cache, const at::Tensor& x, const at::Tensor& slots)
   }
 }
 
+// silu(g) * u of bf16 values, each product rounded to bf16 as torch's silu stores it before the
+// multiply: g / (1 + e^-g) from e^-|g| (exp8 takes x <= 0), so no e^g overflows.
+inline float silu_mul_one(float g, float u) {
+  const float e = std::exp(-std::fabs(g));
+  const float silu = g * (g >= 0.f ? 1.f / (1.f + e) : e / (1.f + e));
+  return static_cast<float>(static_cast<at::BFloat16>(silu)) * u;
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+// 8 float32 -> 8 bf16 rounded to nearest even, in one instruction.
+inline __m128i to_bf16x8(__m256 v) { return reinterpret_cast<__m128i>(_mm256_cvtneps_pbh(v)); }
+#elif defined(__AVX2__)
+// 8 float32 -> 8 bf16 rounded to nearest even (a NaN stays a quiet NaN), as c10's conversion.
+inline __m128i to_bf16x8(__m256 v) {
+  const __m256i b = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08));
+}
+#endif
+
+#ifdef __AVX2__
+inline __m256 silu_mul8(__m256 g, __m256 u) {
+  const __m256 e = exp8(_mm256_or_ps(g, _mm256_set1_ps(-0.f)));  // e^-|g|
+  const __m256 num = _mm256_blendv_ps(_mm256_set1_ps(1.f), e, _mm256_cmp_ps(g, _mm256_setzero_ps(), _CMP_LT_OQ));
+  __m256 silu = _mm256_mul_ps(g, _mm256_div_ps(num, _mm256_add_ps(_mm256_set1_ps(1.f), e)));
+  // below exp8's clamp e^g is 0 in float32: g * 0 (-0, or NaN for -inf), as the scalar code gives
+  silu = _mm256_blendv_ps(silu, _mm256_mul_ps(g, _mm256_setzero_ps()),
+                          _mm256_cmp_ps(g, _mm256_set1_ps(-87.3f), _CMP_LT_OQ));
+  const __m128i rounded = to_bf16x8(silu);
+  return _mm256_mul_ps(load8(reinterpret_cast<const at::BFloat16*>(&rounded)), u);
+}
+#endif
+
+// gate_up [T, 2I] bf16 (gate | up, rows dense) -> silu(gate) * up [T, I]: the MLP's activation in
+// one pass instead of silu's output tensor and a multiply over it.
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.scalar_type() == at::kBFloat16 && gate_up.stride(1) == 1
+              && gate_up.size(1) % 2 == 0, "gate_up must be bf16 [T, 2I] with dense rows");
+  const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2, st = gate_up.stride(0);
+  at::Tensor out = at::empty({T, I}, gate_up.options());
+  const at::BFloat16* xp = gate_up.data_ptr<at::BFloat16>();
+  at::BFloat16* op = out.data_ptr<at::BFloat16>();
+  at::parallel_for(0, T, std::max<int64_t>(1, 16384 / std::max<int64_t>(I, 1)), [&](int64_t lo, int64_t hi) {
+    for (int64_t t = lo; t < hi; ++t) {
+      const at::BFloat16 *g = xp + t * st, *u = g + I;
+      at::BFloat16* o = op + t * I;
+      int64_t i = 0;
+#ifdef __AVX2__
+      for (; i + 8 <= I; i += 8) {
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(o + i), to_bf16x8(silu_mul8(load8(g + i), load8(u + i))));
+      }
+#endif
+      for (; i < I; ++i) o[i] = static_cast<at::BFloat16>(silu_mul_one(static_cast<float>(g[i]), static_cast<float>(u[i])));
+    }
+  });
+  return out;
+}
+
 std::string isa() {
 #ifdef __AVX2__
   return "avx2";
@@ -257,10 +318,12 @@ TORCH_LIBRARY(deepinfer_ops, m) {
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("argmax_rows(Tensor x) -> Tensor");
   m.def("store_rows(Tensor(a!) cache, Tensor x, Tensor slots) -> ()");
+  m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("isa() -> str", &isa);
   m.impl("rotate", c10::DispatchKey::CPU, TORCH_FN(rotate));
   m.impl("rms_norm", c10::DispatchKey::CPU, TORCH_FN(rms_norm));
   m.impl("add_rms_norm", c10::DispatchKey::CPU, TORCH_FN(add_rms_norm));
   m.impl("argmax_rows", c10::DispatchKey::CPU, TORCH_FN(argmax_rows));
   m.impl("store_rows", c10::DispatchKey::CPU, TORCH_FN(store_rows));
+  m.impl("silu_mul", c10::DispatchKey::CPU, TORCH_FN(silu_mul));
 }
