@@ -19,7 +19,7 @@ from torch import nn
 
 from ..forward_batch import ForwardBatch
 from ..kv.layout import KVSpec
-from ..layers.attention import paged_attention, store_kv
+from ..layers.attention import paged_attention, rotate_and_store
 from ..layers.linear import FusedLinear
 from ..layers.native_ops import silu_mul
 from ..layers.norm import RMSNorm
@@ -94,10 +94,7 @@ class LlamaAttention(nn.Module):
         v = v.view(T, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = self.rotary(batch.positions, q)
-        k = self.rotary(batch.positions, k)
-        store_kv(kv["k"], k, batch.slot_mapping)
-        store_kv(kv["v"], v, batch.slot_mapping)
+        q, k = rotate_and_store(self.rotary, batch.positions, q, k, v, kv["k"], kv["v"], batch.slot_mapping)
         o = paged_attention(q, k, v, kv["k"], kv["v"], batch, self.scale, window=self.window)
         return self.o_proj(o.reshape(T, -1))
 

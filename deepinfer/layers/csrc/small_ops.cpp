@@ -40,11 +40,13 @@ void on_dtype(const at::Tensor& x, F&& f) {
 
 bool float_or_bf16(const at::Tensor& x) { return x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16; }
 
-// x [T, H, D] (last dim dense) rotated by position, NeoX halves: (x1, x2) -> (x1 c - x2 s, x2 c + x1 s),
-// with cos/sin [max_positions, D / 2] float32.
-at::Tensor rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& positions) {
+// Rotary embedding of x [T, H, D] (last dim dense) by position, NeoX halves: (x1, x2) -> (x1 c - x2 s,
+// x2 c + x1 s), with cos/sin [max_positions, D / 2] float32. Checks x, the tables and positions;
+// returns the positions.
+const int64_t* rotary_positions(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                                const at::Tensor& positions) {
   TORCH_CHECK(x.dim() == 3 && float_or_bf16(x) && x.stride(2) == 1, "x must be float32 or bf16 [T, H, D]");
-  const int64_t T = x.size(0), H = x.size(1), D = x.size(2), half = D / 2;
+  const int64_t T = x.size(0), D = x.size(2), half = D / 2;
   TORCH_CHECK(D % 2 == 0 && cos.dim() == 2 && cos.size(1) == half && cos.is_contiguous() && sin.is_contiguous()
               && cos.sizes() == sin.sizes() && cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat,
               "cos/sin must be contiguous float32 [max_positions, D / 2]");
@@ -53,7 +55,12 @@ at::Tensor rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
   const int64_t* pos = positions.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t)
     TORCH_CHECK(pos[t] >= 0 && pos[t] < cos.size(0), "position ", pos[t], " beyond the rotary table");
-  at::Tensor out = at::empty({T, H, D}, x.options());
+  return pos;
+}
+
+// x rotated into out [T, H, D] (contiguous)
+void rotate_into(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const int64_t* pos, at::Tensor& out) {
+  const int64_t T = x.size(0), H = x.size(1), D = x.size(2), half = D / 2;
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
   const int64_t st = x.stride(0), sh = x.stride(1);
@@ -80,6 +87,12 @@ at::Tensor rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
       }
     });
   });
+}
+
+at::Tensor rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& positions) {
+  const int64_t* pos = rotary_positions(x, cos, sin, positions);
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  rotate_into(x, cos, sin, pos, out);
   return out;
 }
 
@@ -221,17 +234,20 @@ at::Tensor argmax_rows(const at::Tensor& x) {
 // cache[slot // S, slot % S] = x[t] for each t (slot = slots[t]), cache [pages, S, H, D] and x
 // [T, H, D] of one dtype with dense last dims: the step's new K or V rows written into their
 // pages by one call (torch's index_copy_ goes through TensorIterator element by element).
-void store_rows(at::Tensor& cache, const at::Tensor& x, const at::Tensor& slots) {
+void check_store(const at::Tensor& cache, const at::Tensor& x, const at::Tensor& slots) {
   TORCH_CHECK(cache.dim() == 4 && x.dim() == 3 && float_or_bf16(x) && x.scalar_type() == cache.scalar_type(),
               "cache [pages, S, H, D] and x [T, H, D] must be float32 or bf16 of one dtype");
   TORCH_CHECK(cache.sizes().slice(2) == x.sizes().slice(1) && cache.stride(3) == 1 && x.stride(2) == 1,
               "cache and x differ in heads or dim, or a last dim is not dense");
   TORCH_CHECK(slots.dim() == 1 && slots.size(0) == x.size(0) && slots.scalar_type() == at::kLong
               && slots.is_contiguous(), "slots must be a contiguous int64 [T] tensor");
-  const int64_t T = x.size(0), H = x.size(1), S = cache.size(1), bytes = x.size(2) * x.element_size();
   const int64_t* sp = slots.data_ptr<int64_t>();
-  for (int64_t t = 0; t < T; ++t)
-    TORCH_CHECK(sp[t] >= 0 && sp[t] < cache.size(0) * S, "slot ", sp[t], " out of range");
+  for (int64_t t = 0; t < x.size(0); ++t)
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < cache.size(0) * cache.size(1), "slot ", sp[t], " out of range");
+}
+
+void store_into(at::Tensor& cache, const at::Tensor& x, const int64_t* sp) {
+  const int64_t T = x.size(0), H = x.size(1), S = cache.size(1), bytes = x.size(2) * x.element_size();
   char* cp = static_cast<char*>(cache.data_ptr());
   const char* xp = static_cast<const char*>(x.data_ptr());
   const int64_t es = x.element_size();
@@ -240,6 +256,30 @@ void store_rows(at::Tensor& cache, const at::Tensor& x, const at::Tensor& slots)
     for (int64_t h = 0; h < H; ++h)
       std::memcpy(dst + h * cache.stride(2) * es, xp + (t * x.stride(0) + h * x.stride(1)) * es, bytes);
   }
+}
+
+void store_rows(at::Tensor& cache, const at::Tensor& x, const at::Tensor& slots) {
+  check_store(cache, x, slots);
+  store_into(cache, x, slots.data_ptr<int64_t>());
+}
+
+// A layer's rotary and K/V store in one call: (q, k) rotated, the rotated k and v written into
+// their caches' slots (what rotate, rotate, store_rows, store_rows give).
+std::tuple<at::Tensor, at::Tensor> rotate_store(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                const at::Tensor& cos, const at::Tensor& sin,
+                                                const at::Tensor& positions, at::Tensor& k_cache, at::Tensor& v_cache,
+                                                const at::Tensor& slots) {
+  TORCH_CHECK(q.scalar_type() == k.scalar_type(), "q and k must be of one dtype");
+  const int64_t* pos = rotary_positions(q, cos, sin, positions);
+  rotary_positions(k, cos, sin, positions);
+  check_store(k_cache, k, slots);
+  check_store(v_cache, v, slots);
+  at::Tensor q_out = at::empty(q.sizes(), q.options()), k_out = at::empty(k.sizes(), k.options());
+  rotate_into(q, cos, sin, pos, q_out);
+  rotate_into(k, cos, sin, pos, k_out);
+  store_into(k_cache, k_out, slots.data_ptr<int64_t>());
+  store_into(v_cache, v, slots.data_ptr<int64_t>());
+  return {q_out, k_out};
 }
 
 // silu(g) * u of bf16 values, each product rounded to bf16 as torch's silu stores it before the
@@ -319,6 +359,8 @@ TORCH_LIBRARY(deepinfer_ops, m) {
   m.def("argmax_rows(Tensor x) -> Tensor");
   m.def("store_rows(Tensor(a!) cache, Tensor x, Tensor slots) -> ()");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("rotate_store(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor positions, Tensor(a!) k_cache, "
+        "Tensor(b!) v_cache, Tensor slots) -> (Tensor, Tensor)");
   m.def("isa() -> str", &isa);
   m.impl("rotate", c10::DispatchKey::CPU, TORCH_FN(rotate));
   m.impl("rms_norm", c10::DispatchKey::CPU, TORCH_FN(rms_norm));
@@ -326,4 +368,5 @@ TORCH_LIBRARY(deepinfer_ops, m) {
   m.impl("argmax_rows", c10::DispatchKey::CPU, TORCH_FN(argmax_rows));
   m.impl("store_rows", c10::DispatchKey::CPU, TORCH_FN(store_rows));
   m.impl("silu_mul", c10::DispatchKey::CPU, TORCH_FN(silu_mul));
+  m.impl("rotate_store", c10::DispatchKey::CPU, TORCH_FN(rotate_store));
 }
