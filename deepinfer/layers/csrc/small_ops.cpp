@@ -31,6 +31,26 @@ using deepinfer_attention::load8;
 
 constexpr int64_t kRowsPerTask = 64;
 
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+// 8 float32 -> 8 bf16 rounded to nearest even, in one instruction.
+inline __m128i to_bf16x8(__m256 v) { return reinterpret_cast<__m128i>(_mm256_cvtneps_pbh(v)); }
+#elif defined(__AVX2__)
+// 8 float32 -> 8 bf16 rounded to nearest even (a NaN stays a quiet NaN), as c10's conversion.
+inline __m128i to_bf16x8(__m256 v) {
+  const __m256i b = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08));
+}
+#endif
+
+#ifdef __AVX2__
+// 8 float32 values stored as S (float32, or bf16 rounded as c10 rounds).
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(at::BFloat16* p, __m256 v) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), to_bf16x8(v)); }
+#endif
+
 // f(T{}) with T the element type of x: float or at::BFloat16 (the only ones accepted).
 template <typename F>
 void on_dtype(const at::Tensor& x, F&& f) {
@@ -98,10 +118,27 @@ at::Tensor rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
 
 template <typename S>
 void norm_row(const S* x, const float* w, float eps, int64_t N, S* o) {
-  double ss = 0.0;
-  for (int64_t i = 0; i < N; ++i) ss += static_cast<double>(static_cast<float>(x[i])) * static_cast<float>(x[i]);
+  double ss = 0.0;  // squares of float32 values are exact in double: the order barely matters
+  int64_t i = 0;
+#ifdef __AVX2__
+  __m256d acc = _mm256_setzero_pd();
+  for (; i + 8 <= N; i += 8) {
+    const __m256 v = load8(x + i);
+    const __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(v)), hi = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
+    acc = _mm256_add_pd(acc, _mm256_add_pd(_mm256_mul_pd(lo, lo), _mm256_mul_pd(hi, hi)));
+  }
+  alignas(32) double lanes[4];
+  _mm256_store_pd(lanes, acc);
+  ss = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
+#endif
+  for (; i < N; ++i) ss += static_cast<double>(static_cast<float>(x[i])) * static_cast<float>(x[i]);
   const float inv = 1.0f / std::sqrt(static_cast<float>(ss / N) + eps);
-  for (int64_t i = 0; i < N; ++i) o[i] = static_cast<S>(static_cast<float>(x[i]) * inv * w[i]);
+  i = 0;
+#ifdef __AVX2__
+  for (; i + 8 <= N; i += 8)
+    store8(o + i, _mm256_mul_ps(_mm256_mul_ps(load8(x + i), _mm256_set1_ps(inv)), _mm256_loadu_ps(w + i)));
+#endif
+  for (; i < N; ++i) o[i] = static_cast<S>(static_cast<float>(x[i]) * inv * w[i]);
 }
 
 void check_norm(const at::Tensor& x, const at::Tensor& w) {
@@ -154,7 +191,11 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
     S *sp = sum.data_ptr<S>(), *op = out.data_ptr<S>();
     at::parallel_for(0, T, kRowsPerTask, [&](int64_t lo, int64_t hi) {
       for (int64_t t = lo; t < hi; ++t) {
-        for (int64_t i = 0; i < N; ++i)  // the sum rounded to x's dtype first: the norm reads what is returned
+        int64_t i = 0;  // the sum rounded to x's dtype first: the norm reads what is returned
+#ifdef __AVX2__
+        for (; i + 8 <= N; i += 8) store8(sp + t * N + i, _mm256_add_ps(load8(xp + t * N + i), load8(rp + t * N + i)));
+#endif
+        for (; i < N; ++i)
           sp[t * N + i] = static_cast<S>(static_cast<float>(xp[t * N + i]) + static_cast<float>(rp[t * N + i]));
         norm_row(sp + t * N, wp, static_cast<float>(eps), N, op + t * N);
       }
@@ -290,19 +331,6 @@ inline float silu_mul_one(float g, float u) {
   return static_cast<float>(static_cast<at::BFloat16>(silu)) * u;
 }
 
-#if defined(__AVX512BF16__) && defined(__AVX512VL__)
-// 8 float32 -> 8 bf16 rounded to nearest even, in one instruction.
-inline __m128i to_bf16x8(__m256 v) { return reinterpret_cast<__m128i>(_mm256_cvtneps_pbh(v)); }
-#elif defined(__AVX2__)
-// 8 float32 -> 8 bf16 rounded to nearest even (a NaN stays a quiet NaN), as c10's conversion.
-inline __m128i to_bf16x8(__m256 v) {
-  const __m256i b = _mm256_castps_si256(v);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
-  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
-  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
-  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08));
-}
-#endif
 
 #ifdef __AVX2__
 inline __m256 silu_mul8(__m256 g, __m256 u) {
