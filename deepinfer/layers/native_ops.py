@@ -1,5 +1,6 @@
 """Our CPU code for the small per-layer ops of a step (``csrc/small_ops.cpp``): rotary
-embedding (NeoX halves), RMSNorm, and a residual add fused with the next RMSNorm.
+embedding (NeoX halves; with the K/V store, ``attention.rotate_and_store``), RMSNorm, a residual
+add fused with the next RMSNorm, and the MLP's ``silu(gate) * up`` (bf16).
 
 At batch-1 decode each of these runs on a few hundred values, so a torch op costs its dispatch
 and temporaries more than its arithmetic; one native call replaces the several ops of each.

@@ -32,7 +32,8 @@ using deepinfer_attention::load8;
 constexpr int64_t kRowsPerTask = 64;
 
 #if defined(__AVX512BF16__) && defined(__AVX512VL__)
-// 8 float32 -> 8 bf16 rounded to nearest even, in one instruction.
+// 8 float32 -> 8 bf16 rounded to nearest even, in one instruction (a subnormal float32 result
+// becomes zero: far below any activation or norm output).
 inline __m128i to_bf16x8(__m256 v) { return reinterpret_cast<__m128i>(_mm256_cvtneps_pbh(v)); }
 #elif defined(__AVX2__)
 // 8 float32 -> 8 bf16 rounded to nearest even (a NaN stays a quiet NaN), as c10's conversion.
