@@ -46,9 +46,9 @@ class GptOssAttention(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: dict[str, torch.Tensor]) -> torch.Tensor:
         T = x.shape[0]
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        v = v.view(T, self.num_kv_heads, self.head_dim)
         q, k = rotate_and_store(self.rotary, batch.positions, q.view(T, self.num_heads, self.head_dim),
-                                k.view(T, self.num_kv_heads, self.head_dim), v.view(T, self.num_kv_heads, self.head_dim),
-                                kv["k"], kv["v"], batch.slot_mapping)
+                                k.view(T, self.num_kv_heads, self.head_dim), v, kv["k"], kv["v"], batch.slot_mapping)
         o = paged_attention(q, k, v, kv["k"], kv["v"], batch, self.scale, window=self.window,
                             sinks=self.sinks)
         return self.o_proj(o.reshape(T, -1))
