@@ -24,17 +24,38 @@ from .chunk_attention import prefix_then_causal, splits_at_prefix
 from .native_decode import decode_backend, native_decode, span_rows
 from .native_ops import small_ops_apply
 from .native_prefill import native_prefill, prefill_backend
+from .rotary import RotaryEmbedding
 
 
 def store_kv(cache: torch.Tensor, x: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """Write new tokens' entries ``x`` [T, heads, dim] into their slots of ``cache``: one native
     row copy per token and head where the small ops apply (``index_copy_`` goes element by
     element), else ``index_copy_``."""
-    if x.dim() == 3 and cache.dim() == 4 and x.dtype == cache.dtype and x.stride(-1) == 1 \
-            and cache.stride(-1) == 1 and small_ops_apply(x):
+    if _stores_natively(cache, x):
         torch.ops.deepinfer_ops.store_rows(cache, x, slot_mapping.contiguous())
         return
     cache.view(-1, *cache.shape[2:]).index_copy_(0, slot_mapping, x.to(cache.dtype))
+
+
+def _stores_natively(cache: torch.Tensor, x: torch.Tensor) -> bool:
+    return x.dim() == 3 and cache.dim() == 4 and x.dtype == cache.dtype and x.stride(-1) == 1 \
+        and cache.stride(-1) == 1 and small_ops_apply(x)
+
+
+def rotate_and_store(rotary: RotaryEmbedding, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                     v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     slot_mapping: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rotary(q), rotary(k))``, with the rotated k and v stored into their slots: one native
+    call where the rotary and both stores run natively (a layer's four calls cost their dispatch
+    more than their work), else those four."""
+    if q.dtype == k.dtype and rotary.native(positions, q) and rotary.native(positions, k) \
+            and _stores_natively(k_cache, k) and _stores_natively(v_cache, v):
+        return torch.ops.deepinfer_ops.rotate_store(q, k, v, rotary.cos, rotary.sin, positions.contiguous(),
+                                                    k_cache, v_cache, slot_mapping.contiguous())
+    q, k = rotary(positions, q), rotary(positions, k)
+    store_kv(k_cache, k, slot_mapping)
+    store_kv(v_cache, v, slot_mapping)
+    return q, k
 
 
 def gather_pages(cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,6 @@
 """Our CPU code for the small per-layer ops of a step (``csrc/small_ops.cpp``): rotary
-embedding (NeoX halves), RMSNorm, and a residual add fused with the next RMSNorm.
+embedding (NeoX halves; with the K/V store, ``attention.rotate_and_store``), RMSNorm, a residual
+add fused with the next RMSNorm, and the MLP's ``silu(gate) * up`` (bf16).
 
 At batch-1 decode each of these runs on a few hundred values, so a torch op costs its dispatch
 and temporaries more than its arithmetic; one native call replaces the several ops of each.
@@ -39,3 +40,14 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     if x.dim() == 2 and x.shape[1] > 0 and x.stride(1) == 1 and small_ops_apply(x):
         return torch.ops.deepinfer_ops.argmax_rows(x)
     return x.argmax(dim=-1)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of ``gate_up`` [T, gate | up]: one native pass for bf16 on the CPU
+    (silu's exponential is ours, so a result may differ from torch's by an ulp, and a gate below
+    -87.3 gives -0 where torch's is under 1e-36); float32 keeps torch's ops, whose bits
+    transformers' float32 reference shares."""
+    if gate_up.dim() == 2 and gate_up.dtype == torch.bfloat16 and gate_up.stride(1) == 1 and small_ops_apply(gate_up):
+        return torch.ops.deepinfer_ops.silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up

@@ -64,9 +64,7 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor, inverse: bool = False) -> torch.Tensor:
         """Rotate ``x`` of shape [T, heads, head_dim] (``rot_dim`` of its dims) by position;
         ``inverse`` rotates by minus the position (undoes the rotation)."""
-        if (not inverse and not self.interleaved and x.shape[-1] == self.rot_dim and x.dim() == 3
-                and x.stride(-1) == 1 and positions.dtype == torch.long and positions.dim() == 1
-                and small_ops_apply(x) and self.cos.device.type == "cpu"):
+        if not inverse and self.native(positions, x):
             return torch.ops.deepinfer_ops.rotate(x, self.cos, self.sin, positions.contiguous())
         cos, sin = self._tables(positions)
         if inverse:
@@ -86,6 +84,12 @@ class RotaryEmbedding(nn.Module):
         if full:
             return out
         return torch.cat((x[..., :split], out) if self.tail else (out, x[..., split:]), dim=-1)
+
+    def native(self, positions: torch.Tensor, x: torch.Tensor) -> bool:
+        """Whether our native op rotates ``x`` [T, heads, head_dim] (NeoX halves over whole heads)."""
+        return (not self.interleaved and x.shape[-1] == self.rot_dim and x.dim() == 3 and x.stride(-1) == 1
+                and positions.dtype == torch.long and positions.dim() == 1 and small_ops_apply(x)
+                and self.cos.device.type == "cpu")
 
     def _tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # Every layer of a step passes the same positions tensor: look the tables up once.

@@ -20,7 +20,7 @@ from transformers.activations import ACT2FN
 
 from ..forward_batch import ForwardBatch
 from ..kv.layout import KVSpec
-from ..layers.attention import paged_attention, store_kv
+from ..layers.attention import paged_attention, rotate_and_store
 from ..layers.linear import FusedLinear
 from ..layers.norm import RMSNorm
 from ..layers.rotary import RotaryEmbedding, rope_inv_freq
@@ -77,10 +77,7 @@ class GemmaAttention(nn.Module):
         v = v.view(T, self.num_kv_heads, self.head_dim)
         if self.gemma3:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = self.rotary(batch.positions, q)
-        k = self.rotary(batch.positions, k)
-        store_kv(kv["k"], k, batch.slot_mapping)
-        store_kv(kv["v"], v, batch.slot_mapping)
+        q, k = rotate_and_store(self.rotary, batch.positions, q, k, v, kv["k"], kv["v"], batch.slot_mapping)
         o = paged_attention(q, k, v, kv["k"], kv["v"], batch, self.scale, window=self.window,
                             softcap=self.softcap)
         return self.o_proj(o.reshape(T, -1))

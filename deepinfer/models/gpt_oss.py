@@ -14,7 +14,7 @@ from torch import nn
 
 from ..forward_batch import ForwardBatch
 from ..kv.layout import KVSpec
-from ..layers.attention import paged_attention, store_kv
+from ..layers.attention import paged_attention, rotate_and_store
 from ..layers.linear import FusedLinear
 from ..layers.moe import MoEBlock, dispatch_experts
 from ..layers.norm import RMSNorm
@@ -46,11 +46,9 @@ class GptOssAttention(nn.Module):
     def forward(self, x: torch.Tensor, batch: ForwardBatch, kv: dict[str, torch.Tensor]) -> torch.Tensor:
         T = x.shape[0]
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))
-        q = self.rotary(batch.positions, q.view(T, self.num_heads, self.head_dim))
-        k = self.rotary(batch.positions, k.view(T, self.num_kv_heads, self.head_dim))
         v = v.view(T, self.num_kv_heads, self.head_dim)
-        store_kv(kv["k"], k, batch.slot_mapping)
-        store_kv(kv["v"], v, batch.slot_mapping)
+        q, k = rotate_and_store(self.rotary, batch.positions, q.view(T, self.num_heads, self.head_dim),
+                                k.view(T, self.num_kv_heads, self.head_dim), v, kv["k"], kv["v"], batch.slot_mapping)
         o = paged_attention(q, k, v, kv["k"], kv["v"], batch, self.scale, window=self.window,
                             sinks=self.sinks)
         return self.o_proj(o.reshape(T, -1))

@@ -19,8 +19,9 @@ from torch import nn
 
 from ..forward_batch import ForwardBatch
 from ..kv.layout import KVSpec
-from ..layers.attention import paged_attention, store_kv
+from ..layers.attention import paged_attention, rotate_and_store
 from ..layers.linear import FusedLinear
+from ..layers.native_ops import silu_mul
 from ..layers.norm import RMSNorm
 from ..layers.rotary import RotaryEmbedding, rope_inv_freq
 from .base import CausalLM
@@ -93,10 +94,7 @@ class LlamaAttention(nn.Module):
         v = v.view(T, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = self.rotary(batch.positions, q)
-        k = self.rotary(batch.positions, k)
-        store_kv(kv["k"], k, batch.slot_mapping)
-        store_kv(kv["v"], v, batch.slot_mapping)
+        q, k = rotate_and_store(self.rotary, batch.positions, q, k, v, kv["k"], kv["v"], batch.slot_mapping)
         o = paged_attention(q, k, v, kv["k"], kv["v"], batch, self.scale, window=self.window)
         return self.o_proj(o.reshape(T, -1))
 
@@ -122,8 +120,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
-        return self.down_proj(nn.functional.silu(gate) * up)
+        return self.down_proj(silu_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):

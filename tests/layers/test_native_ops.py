@@ -10,7 +10,8 @@ import torch.nn.functional as F
 
 from deepinfer import native_build
 from deepinfer.layers import norm, rotary
-from deepinfer.layers.attention import store_kv
+from deepinfer.layers import attention
+from deepinfer.layers.attention import rotate_and_store, store_kv
 from deepinfer.layers.native_ops import argmax_rows, small_ops_apply, small_ops_kernel
 from deepinfer.layers.norm import RMSNorm
 from deepinfer.layers.rotary import RotaryEmbedding
@@ -168,3 +169,21 @@ def test_store_kv_slot_out_of_range_is_an_error(kernel):
     cache = torch.zeros(2, 4, 1, 8)
     with pytest.raises(RuntimeError, match="out of range"):
         store_kv(cache, torch.ones(1, 1, 8), torch.tensor([8]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotate_and_store_is_rotary_then_store_kv(kernel, monkeypatch, dtype):
+    """The one native call gives the bits of the four torch-path calls, on views of a fused projection."""
+    g = torch.Generator().manual_seed(3)
+    qkv = torch.randn(5, 15 * 64, generator=g).to(dtype)
+    q, k, v = qkv[:, :9 * 64].view(5, 9, 64), qkv[:, 9 * 64:12 * 64].view(5, 3, 64), qkv[:, 12 * 64:].view(5, 3, 64)
+    caches = [torch.randn(20, 16, 3, 64, generator=g).to(dtype) for _ in range(2)]
+    want_caches = [c.clone() for c in caches]
+    positions, slots = torch.tensor([3, 90, 4000, 0, 17]), torch.tensor([0, 17, 319, 5, 160])
+    rot = _rotary()
+    got = rotate_and_store(rot, positions, q, k, v, *caches, slots)
+    _torch_only(monkeypatch)
+    monkeypatch.setattr(attention, "small_ops_apply", lambda x: False)
+    want = rotate_and_store(rot, positions, q, k, v, *want_caches, slots)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert all(torch.equal(a, b) for a, b in zip(caches, want_caches))

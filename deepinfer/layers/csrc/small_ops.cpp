@@ -25,10 +25,32 @@
 namespace {
 
 #ifdef __AVX2__
+using deepinfer_attention::exp8;
 using deepinfer_attention::load8;
 #endif
 
 constexpr int64_t kRowsPerTask = 64;
+
+#if defined(__AVX512BF16__) && defined(__AVX512VL__)
+// 8 float32 -> 8 bf16 rounded to nearest even, in one instruction (a subnormal float32 result
+// becomes zero: far below any activation or norm output).
+inline __m128i to_bf16x8(__m256 v) { return reinterpret_cast<__m128i>(_mm256_cvtneps_pbh(v)); }
+#elif defined(__AVX2__)
+// 8 float32 -> 8 bf16 rounded to nearest even (a NaN stays a quiet NaN), as c10's conversion.
+inline __m128i to_bf16x8(__m256 v) {
+  const __m256i b = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0x08));
+}
+#endif
+
+#ifdef __AVX2__
+// 8 float32 values stored as S (float32, or bf16 rounded as c10 rounds).
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(at::BFloat16* p, __m256 v) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), to_bf16x8(v)); }
+#endif
 
 // f(T{}) with T the element type of x: float or at::BFloat16 (the only ones accepted).
 template <typename F>
@@ -39,11 +61,13 @@ void on_dtype(const at::Tensor& x, F&& f) {
 
 bool float_or_bf16(const at::Tensor& x) { return x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16; }
 
-// x [T, H, D] (last dim dense) rotated by position, NeoX halves: (x1, x2) -> (x1 c - x2 s, x2 c + x1 s),
-// with cos/sin [max_positions, D / 2] float32.
-at::Tensor rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& positions) {
+// Rotary embedding of x [T, H, D] (last dim dense) by position, NeoX halves: (x1, x2) -> (x1 c - x2 s,
+// x2 c + x1 s), with cos/sin [max_positions, D / 2] float32. Checks x, the tables and positions;
+// returns the positions.
+const int64_t* rotary_positions(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                                const at::Tensor& positions) {
   TORCH_CHECK(x.dim() == 3 && float_or_bf16(x) && x.stride(2) == 1, "x must be float32 or bf16 [T, H, D]");
-  const int64_t T = x.size(0), H = x.size(1), D = x.size(2), half = D / 2;
+  const int64_t T = x.size(0), D = x.size(2), half = D / 2;
   TORCH_CHECK(D % 2 == 0 && cos.dim() == 2 && cos.size(1) == half && cos.is_contiguous() && sin.is_contiguous()
               && cos.sizes() == sin.sizes() && cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat,
               "cos/sin must be contiguous float32 [max_positions, D / 2]");
@@ -52,7 +76,12 @@ at::Tensor rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
   const int64_t* pos = positions.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t)
     TORCH_CHECK(pos[t] >= 0 && pos[t] < cos.size(0), "position ", pos[t], " beyond the rotary table");
-  at::Tensor out = at::empty({T, H, D}, x.options());
+  return pos;
+}
+
+// x rotated into out [T, H, D] (contiguous)
+void rotate_into(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const int64_t* pos, at::Tensor& out) {
+  const int64_t T = x.size(0), H = x.size(1), D = x.size(2), half = D / 2;
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
   const int64_t st = x.stride(0), sh = x.stride(1);
@@ -79,15 +108,38 @@ at::Tensor rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
       }
     });
   });
+}
+
+at::Tensor rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& positions) {
+  const int64_t* pos = rotary_positions(x, cos, sin, positions);
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  rotate_into(x, cos, sin, pos, out);
   return out;
 }
 
 template <typename S>
 void norm_row(const S* x, const float* w, float eps, int64_t N, S* o) {
-  double ss = 0.0;
-  for (int64_t i = 0; i < N; ++i) ss += static_cast<double>(static_cast<float>(x[i])) * static_cast<float>(x[i]);
+  double ss = 0.0;  // squares of float32 values are exact in double: the order barely matters
+  int64_t i = 0;
+#ifdef __AVX2__
+  __m256d acc = _mm256_setzero_pd();
+  for (; i + 8 <= N; i += 8) {
+    const __m256 v = load8(x + i);
+    const __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(v)), hi = _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1));
+    acc = _mm256_add_pd(acc, _mm256_add_pd(_mm256_mul_pd(lo, lo), _mm256_mul_pd(hi, hi)));
+  }
+  alignas(32) double lanes[4];
+  _mm256_store_pd(lanes, acc);
+  ss = (lanes[0] + lanes[1]) + (lanes[2] + lanes[3]);
+#endif
+  for (; i < N; ++i) ss += static_cast<double>(static_cast<float>(x[i])) * static_cast<float>(x[i]);
   const float inv = 1.0f / std::sqrt(static_cast<float>(ss / N) + eps);
-  for (int64_t i = 0; i < N; ++i) o[i] = static_cast<S>(static_cast<float>(x[i]) * inv * w[i]);
+  i = 0;
+#ifdef __AVX2__
+  for (; i + 8 <= N; i += 8)
+    store8(o + i, _mm256_mul_ps(_mm256_mul_ps(load8(x + i), _mm256_set1_ps(inv)), _mm256_loadu_ps(w + i)));
+#endif
+  for (; i < N; ++i) o[i] = static_cast<S>(static_cast<float>(x[i]) * inv * w[i]);
 }
 
 void check_norm(const at::Tensor& x, const at::Tensor& w) {
@@ -140,7 +192,11 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
     S *sp = sum.data_ptr<S>(), *op = out.data_ptr<S>();
     at::parallel_for(0, T, kRowsPerTask, [&](int64_t lo, int64_t hi) {
       for (int64_t t = lo; t < hi; ++t) {
-        for (int64_t i = 0; i < N; ++i)  // the sum rounded to x's dtype first: the norm reads what is returned
+        int64_t i = 0;  // the sum rounded to x's dtype first: the norm reads what is returned
+#ifdef __AVX2__
+        for (; i + 8 <= N; i += 8) store8(sp + t * N + i, _mm256_add_ps(load8(xp + t * N + i), load8(rp + t * N + i)));
+#endif
+        for (; i < N; ++i)
           sp[t * N + i] = static_cast<S>(static_cast<float>(xp[t * N + i]) + static_cast<float>(rp[t * N + i]));
         norm_row(sp + t * N, wp, static_cast<float>(eps), N, op + t * N);
       }
@@ -220,17 +276,20 @@ at::Tensor argmax_rows(const at::Tensor& x) {
 // cache[slot // S, slot % S] = x[t] for each t (slot = slots[t]), cache [pages, S, H, D] and x
 // [T, H, D] of one dtype with dense last dims: the step's new K or V rows written into their
 // pages by one call (torch's index_copy_ goes through TensorIterator element by element).
-void store_rows(at::Tensor& cache, const at::Tensor& x, const at::Tensor& slots) {
+void check_store(const at::Tensor& cache, const at::Tensor& x, const at::Tensor& slots) {
   TORCH_CHECK(cache.dim() == 4 && x.dim() == 3 && float_or_bf16(x) && x.scalar_type() == cache.scalar_type(),
               "cache [pages, S, H, D] and x [T, H, D] must be float32 or bf16 of one dtype");
   TORCH_CHECK(cache.sizes().slice(2) == x.sizes().slice(1) && cache.stride(3) == 1 && x.stride(2) == 1,
               "cache and x differ in heads or dim, or a last dim is not dense");
   TORCH_CHECK(slots.dim() == 1 && slots.size(0) == x.size(0) && slots.scalar_type() == at::kLong
               && slots.is_contiguous(), "slots must be a contiguous int64 [T] tensor");
-  const int64_t T = x.size(0), H = x.size(1), S = cache.size(1), bytes = x.size(2) * x.element_size();
   const int64_t* sp = slots.data_ptr<int64_t>();
-  for (int64_t t = 0; t < T; ++t)
-    TORCH_CHECK(sp[t] >= 0 && sp[t] < cache.size(0) * S, "slot ", sp[t], " out of range");
+  for (int64_t t = 0; t < x.size(0); ++t)
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < cache.size(0) * cache.size(1), "slot ", sp[t], " out of range");
+}
+
+void store_into(at::Tensor& cache, const at::Tensor& x, const int64_t* sp) {
+  const int64_t T = x.size(0), H = x.size(1), S = cache.size(1), bytes = x.size(2) * x.element_size();
   char* cp = static_cast<char*>(cache.data_ptr());
   const char* xp = static_cast<const char*>(x.data_ptr());
   const int64_t es = x.element_size();
@@ -239,6 +298,77 @@ void store_rows(at::Tensor& cache, const at::Tensor& x, const at::Tensor& slots)
     for (int64_t h = 0; h < H; ++h)
       std::memcpy(dst + h * cache.stride(2) * es, xp + (t * x.stride(0) + h * x.stride(1)) * es, bytes);
   }
+}
+
+void store_rows(at::Tensor& cache, const at::Tensor& x, const at::Tensor& slots) {
+  check_store(cache, x, slots);
+  store_into(cache, x, slots.data_ptr<int64_t>());
+}
+
+// A layer's rotary and K/V store in one call: (q, k) rotated, the rotated k and v written into
+// their caches' slots (what rotate, rotate, store_rows, store_rows give).
+std::tuple<at::Tensor, at::Tensor> rotate_store(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                const at::Tensor& cos, const at::Tensor& sin,
+                                                const at::Tensor& positions, at::Tensor& k_cache, at::Tensor& v_cache,
+                                                const at::Tensor& slots) {
+  TORCH_CHECK(q.scalar_type() == k.scalar_type(), "q and k must be of one dtype");
+  const int64_t* pos = rotary_positions(q, cos, sin, positions);
+  rotary_positions(k, cos, sin, positions);
+  check_store(k_cache, k, slots);
+  check_store(v_cache, v, slots);
+  at::Tensor q_out = at::empty(q.sizes(), q.options()), k_out = at::empty(k.sizes(), k.options());
+  rotate_into(q, cos, sin, pos, q_out);
+  rotate_into(k, cos, sin, pos, k_out);
+  store_into(k_cache, k_out, slots.data_ptr<int64_t>());
+  store_into(v_cache, v, slots.data_ptr<int64_t>());
+  return {q_out, k_out};
+}
+
+// silu(g) * u of bf16 values, each product rounded to bf16 as torch's silu stores it before the
+// multiply: g / (1 + e^-g) from e^-|g| (exp8 takes x <= 0), so no e^g overflows.
+inline float silu_mul_one(float g, float u) {
+  const float e = std::exp(-std::fabs(g));
+  const float silu = g * (g >= 0.f ? 1.f / (1.f + e) : e / (1.f + e));
+  return static_cast<float>(static_cast<at::BFloat16>(silu)) * u;
+}
+
+
+#ifdef __AVX2__
+inline __m256 silu_mul8(__m256 g, __m256 u) {
+  const __m256 e = exp8(_mm256_or_ps(g, _mm256_set1_ps(-0.f)));  // e^-|g|
+  const __m256 num = _mm256_blendv_ps(_mm256_set1_ps(1.f), e, _mm256_cmp_ps(g, _mm256_setzero_ps(), _CMP_LT_OQ));
+  __m256 silu = _mm256_mul_ps(g, _mm256_div_ps(num, _mm256_add_ps(_mm256_set1_ps(1.f), e)));
+  // below exp8's clamp e^g is 0 in float32: g * 0 (-0, or NaN for -inf), as the scalar code gives
+  silu = _mm256_blendv_ps(silu, _mm256_mul_ps(g, _mm256_setzero_ps()),
+                          _mm256_cmp_ps(g, _mm256_set1_ps(-87.3f), _CMP_LT_OQ));
+  const __m128i rounded = to_bf16x8(silu);
+  return _mm256_mul_ps(load8(reinterpret_cast<const at::BFloat16*>(&rounded)), u);
+}
+#endif
+
+// gate_up [T, 2I] bf16 (gate | up, rows dense) -> silu(gate) * up [T, I]: the MLP's activation in
+// one pass instead of silu's output tensor and a multiply over it.
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.scalar_type() == at::kBFloat16 && gate_up.stride(1) == 1
+              && gate_up.size(1) % 2 == 0, "gate_up must be bf16 [T, 2I] with dense rows");
+  const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2, st = gate_up.stride(0);
+  at::Tensor out = at::empty({T, I}, gate_up.options());
+  const at::BFloat16* xp = gate_up.data_ptr<at::BFloat16>();
+  at::BFloat16* op = out.data_ptr<at::BFloat16>();
+  at::parallel_for(0, T, std::max<int64_t>(1, 16384 / std::max<int64_t>(I, 1)), [&](int64_t lo, int64_t hi) {
+    for (int64_t t = lo; t < hi; ++t) {
+      const at::BFloat16 *g = xp + t * st, *u = g + I;
+      at::BFloat16* o = op + t * I;
+      int64_t i = 0;
+#ifdef __AVX2__
+      for (; i + 8 <= I; i += 8) {
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(o + i), to_bf16x8(silu_mul8(load8(g + i), load8(u + i))));
+      }
+#endif
+      for (; i < I; ++i) o[i] = static_cast<at::BFloat16>(silu_mul_one(static_cast<float>(g[i]), static_cast<float>(u[i])));
+    }
+  });
+  return out;
 }
 
 std::string isa() {
@@ -257,10 +387,15 @@ TORCH_LIBRARY(deepinfer_ops, m) {
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("argmax_rows(Tensor x) -> Tensor");
   m.def("store_rows(Tensor(a!) cache, Tensor x, Tensor slots) -> ()");
+  m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("rotate_store(Tensor q, Tensor k, Tensor v, Tensor cos, Tensor sin, Tensor positions, Tensor(a!) k_cache, "
+        "Tensor(b!) v_cache, Tensor slots) -> (Tensor, Tensor)");
   m.def("isa() -> str", &isa);
   m.impl("rotate", c10::DispatchKey::CPU, TORCH_FN(rotate));
   m.impl("rms_norm", c10::DispatchKey::CPU, TORCH_FN(rms_norm));
   m.impl("add_rms_norm", c10::DispatchKey::CPU, TORCH_FN(add_rms_norm));
   m.impl("argmax_rows", c10::DispatchKey::CPU, TORCH_FN(argmax_rows));
   m.impl("store_rows", c10::DispatchKey::CPU, TORCH_FN(store_rows));
+  m.impl("silu_mul", c10::DispatchKey::CPU, TORCH_FN(silu_mul));
+  m.impl("rotate_store", c10::DispatchKey::CPU, TORCH_FN(rotate_store));
 }
