@@ -7,7 +7,8 @@ and from L3 cold (the files dropped from the page cache with ``posix_fadvise(DON
 L3 cases in a fresh process each, warmed up as a running server is: the same hit with another
 tail first (its L3 load and its tail's forward over the whole context: the first such forward
 of a process cost up to 3x the CPU of the next on a loaded 2-core machine, README #17), then
-L1 emptied and, for the cold case, the files dropped; next to (a) the cold prefill of the same prompt and (b) the
+L1 emptied and, for the cold case, the files dropped (``--warm-up shapes``: only a prompt of the
+tail's length that shares nothing, a just-started server); next to (a) the cold prefill of the same prompt and (b) the
 bound: a plain sequential read of the same files (page-cached, and cold) plus the prefill of
 the uncached tail (the L1 TTFT stands for it); the read also into distinct memory touched
 beforehand (what a load does: its L1 pool is zeroed at start), the fairer bound for the load
@@ -118,7 +119,7 @@ def l3_child(model, disk: Path, codec: str, prompt: list[int], warm: list[int], 
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def one_case(model, codec: str, n: int, hit: float, work: Path) -> dict:
+def one_case(model, codec: str, n: int, hit: float, work: Path, warm_hit: bool = True) -> dict:
     m = llm(model, num_pages=4)
     vocab, ps = m.engine.hf_config.vocab_size, m.engine.config.page_size
     del m
@@ -158,7 +159,8 @@ def one_case(model, codec: str, n: int, hit: float, work: Path) -> dict:
              ("l3_cold", 4, False), ("l3_cold_layers", 6, True))
     for case, t, stream in cases:  # whole-page and layer-wise loads, alternating
         read_all(files)  # (the child drops them for a cold case, after its warm-up)
-        r = l3_child(model, disk, codec, base + tails[t], base + tails[t + 4], files,
+        warm = (base if warm_hit else []) + tails[t + 4]
+        r = l3_child(model, disk, codec, base + tails[t], warm, files,
                      "cold" in case, num_pages, work, stream)
         assert r["by_tier"]["disk"] == len(base), r
         row[case] = r["ttft"]
@@ -285,6 +287,9 @@ def main() -> None:
     ap.add_argument("--promo-step", type=int, default=128, help="user tokens added per turn")
     ap.add_argument("--promo-background", type=int, default=1536, help="tokens of each one-off request")
     ap.add_argument("--quick", action="store_true", help="8K at 96%%/99%%, lossless, + promotion")
+    ap.add_argument("--warm-up", choices=["hit", "shapes"], default="hit",
+                    help="an L3 child's warm-up: the same hit with another tail (a running server), or "
+                         "only a prompt of the tail's length sharing nothing (a just-started one)")
     ap.add_argument("--out", default=str(REPO / "results" / "ttft_cache"))
     args = ap.parse_args()
     if args.quick:
@@ -297,7 +302,7 @@ def main() -> None:
         for codec in filter(None, args.codecs.split(",")):
             for n in map(int, args.sizes.split(",")):
                 for hit in map(float, args.hits.split(",")):
-                    rows.append(one_case(args.model, codec, n, hit, Path(tmp)))
+                    rows.append(one_case(args.model, codec, n, hit, Path(tmp), args.warm_up == "hit"))
         if args.promotion:
             promo = promotion_rows(args.model, args, Path(tmp))
     out = Path(args.out)
