@@ -28,6 +28,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -206,12 +207,16 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   const Pages vpg{v_cache.data_ptr<bf16>(), table, S, v_cache.stride(0), v_cache.stride(1), v_cache.stride(2)};
   const bf16* qd = q.data_ptr<bf16>();
   bf16* od = out.data_ptr<bf16>();
-  std::vector<bf16> vpack(Hkv * tiles * tile_elems);
-  std::vector<const bf16*> krows(Hkv * tiles * kKeys);  // [kv head][tile][key]
+  // Left uninitialized (the loop below writes every element): a zero-filled vector cost a serial
+  // pass over the whole context's values per call, which a short tail after a long cached prefix
+  // pays in full.
+  const at::Tensor vbuf = at::empty({Hkv * tiles * tile_elems}, q.options());
+  bf16* const vpack = vbuf.data_ptr<bf16>();
+  const std::unique_ptr<const bf16*[]> krows(new const bf16*[Hkv * tiles * kKeys]);  // [kv head][tile][key]
   at::parallel_for(0, Hkv * tiles, 16, [&](int64_t begin, int64_t end) {
     for (int64_t it = begin; it < end; ++it) {
-      tile_key_rows(kp, it / tiles, (it % tiles) * kKeys, kv_len, krows.data() + it * kKeys);
-      pack_values(vpg, it / tiles, (it % tiles) * kKeys, kv_len, Dv, vpack.data() + it * tile_elems);
+      tile_key_rows(kp, it / tiles, (it % tiles) * kKeys, kv_len, krows.get() + it * kKeys);
+      pack_values(vpg, it / tiles, (it % tiles) * kKeys, kv_len, Dv, vpack + it * tile_elems);
     }
   });
   const float sl2 = scale * 1.44269504088896341f;  // scores in base 2: e^(s scale) = 2^(s sl2)
@@ -252,7 +257,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
           // key chunks outer: a chunk's keys and values stay in cache for every block of the group
           for (int64_t c0 = 0; c0 < keys; c0 += kChunk)
             for (int64_t i = 0; i < n; ++i)
-              block_tiles(group[i], c0, std::min(c0 + kChunk, group[i].keys), krows.data(), vpack.data(), tiles, D, Dv,
+              block_tiles(group[i], c0, std::min(c0 + kChunk, group[i].keys), krows.get(), vpack, tiles, D, Dv,
                           sl2);
           for (int64_t i = 0; i < n; ++i) {
             const Block& b = group[i];
