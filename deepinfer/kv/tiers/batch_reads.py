@@ -84,12 +84,14 @@ class BatchReads:
             i += 1
         return i
 
-    def open_layers(self, keys: Sequence[str], ids: Sequence[PageId]) -> tuple[torch.ScriptObject, list[int]]:
+    def open_layers(self, keys: Sequence[str], ids: Sequence[PageId],
+                    first: int) -> tuple[torch.ScriptObject, list[int]]:
         """The op's ``LayerReads`` over files ``keys`` (holding pages ``ids``): their payloads
-        read in pieces (``layer_stream.py``); and the files' sizes, for ``count_hits``."""
+        read in pieces (``layer_stream.py``), the first ``first`` bytes long; and the files'
+        sizes, for ``count_hits``."""
         heads = self._heads(keys, ids)
         reads = torch.classes.deepinfer_kv_reads.LayerReads(
-            [self.store.file_path(k) for k in keys], *self._packed(heads), self.payload_len)
+            [self.store.file_path(k) for k in keys], *self._packed(heads), self.payload_len, first)
         return reads, [len(h) + self.payload_len + self.tag_len for h in heads]
 
     def count_hits(self, keys: Sequence[str], sizes: Sequence[int]) -> None:

@@ -143,9 +143,10 @@ def _stream_native(batch: BatchReads, transfer: KVTransfer, codec: Codec, nbytes
     host = transfer.host_buffers() if direct else None
     arrived = [0] * len(transfer.buffer_groups)
     lock = threading.Lock()
+    first = sum(nbytes[j] for j in transfer.buffer_groups[0])
 
     def run_slice(lo: int, hi: int) -> tuple[int, list[int]]:
-        reads, sizes = batch.open_layers(keys[lo:hi], ids[lo:hi])  # type: ignore[arg-type]
+        reads, sizes = batch.open_layers(keys[lo:hi], ids[lo:hi], first)  # type: ignore[arg-type]
         live, off, pages = reads.opened(), 0, torch.tensor(dest[lo:hi])
         try:
             for g, bufs in enumerate(transfer.buffer_groups):

@@ -154,8 +154,8 @@ def forward_first(monkeypatch, read_path):
                 gate()
             return real_preadv(fd, bufs, off)
 
-        def open_layers(batch, keys, ids):
-            reads, sizes = real_open(batch, keys, ids)
+        def open_layers(batch, keys, ids, first):
+            reads, sizes = real_open(batch, keys, ids, first)
             return GatedReads(reads, group, gate), sizes
 
         monkeypatch.setattr(ForwardBatch, "for_layer", for_layer)

@@ -19,6 +19,7 @@
 #include <sys/uio.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <climits>
 #include <cstdint>
 #include <cstring>
@@ -146,14 +147,20 @@ int64_t read_pages(std::vector<std::string> paths, at::Tensor heads, at::Tensor 
 // every ``read`` lands the next bytes of each payload (one preadv per file) in their pages and
 // updates the tags, in file order; ``finish`` reads and compares the tags. The first file that
 // fails a step ends the run (``live``: the leading files still good): the files after it are
-// not read further.
+// not read further. From a cold disk, a blocking read per file would leave the device one request
+// at a time per reader (the forward waited on it for layer 0): every file's header and first piece
+// (``first`` bytes) are asked for at once (``POSIX_FADV_WILLNEED``) before the headers are read,
+// and every kAhead-th read asks for the next kAhead pieces of every file, layer order (the
+// kernel's own readahead, of each file in turn, does not start on pages a hint brought in).
+constexpr int64_t kAhead = 4;  // pieces asked for per hint
+
 struct LayerReads : torch::CustomClassHolder {
   std::vector<int> fds;
   std::vector<void*> states;
   std::vector<size_t> hlens;
   int64_t payload_len = 0, consumed = 0, live = 0;
 
-  LayerReads(std::vector<std::string> paths, at::Tensor heads, at::Tensor offsets, int64_t payload) {
+  LayerReads(std::vector<std::string> paths, at::Tensor heads, at::Tensor offsets, int64_t payload, int64_t first) {
     TORCH_CHECK(g_xxh3.create != nullptr, "bind_xxh3 first");
     const auto n = static_cast<int64_t>(paths.size());
     TORCH_CHECK(offsets.numel() == n + 1 && heads.dtype() == at::kByte && heads.is_contiguous(),
@@ -162,18 +169,24 @@ struct LayerReads : torch::CustomClassHolder {
     const int64_t* off = oc.data_ptr<int64_t>();
     const uint8_t* h = heads.data_ptr<uint8_t>();
     payload_len = payload;
-    std::vector<uint8_t> got;
+    std::vector<int> opened;
     for (int64_t i = 0; i < n; ++i) {
-      const size_t hlen = static_cast<size_t>(off[i + 1] - off[i]);
       const int fd = open(paths[i].c_str(), O_RDONLY | O_CLOEXEC);
       if (fd < 0) break;
+      posix_fadvise(fd, 0, static_cast<off_t>(off[i + 1] - off[i] + first), POSIX_FADV_WILLNEED);
+      opened.push_back(fd);
+    }
+    std::vector<uint8_t> got;
+    for (size_t i = 0; i < opened.size(); ++i) {
+      const size_t hlen = static_cast<size_t>(off[i + 1] - off[i]);
+      const int fd = opened[i];
       got.resize(hlen);
-      void* state = g_xxh3.create();
+      void* state = fds.size() == i ? g_xxh3.create() : nullptr;  // none after a failed file
       if (state == nullptr || pread(fd, got.data(), hlen, 0) != static_cast<ssize_t>(hlen) ||
           std::memcmp(got.data(), h + off[i], hlen) != 0) {
         if (state != nullptr) g_xxh3.release(state);
         close(fd);
-        break;
+        continue;
       }
       g_xxh3.reset(state);
       g_xxh3.update(state, got.data(), hlen);
@@ -201,6 +214,12 @@ struct LayerReads : torch::CustomClassHolder {
       width += s.nbytes[j];
     }
     TORCH_CHECK(consumed + static_cast<int64_t>(width) <= payload_len, "reads past the payload");
+    if (width > 0 && consumed % (kAhead * static_cast<int64_t>(width)) == 0) {  // every kAhead-th read
+      const int64_t at = consumed + static_cast<int64_t>(width);
+      const int64_t len = std::min<int64_t>(kAhead * static_cast<int64_t>(width), payload_len - at);
+      for (int64_t i = 0; len > 0 && i < live; ++i)
+        posix_fadvise(fds[i], static_cast<off_t>(hlens[i] + at), static_cast<off_t>(len), POSIX_FADV_WILLNEED);
+    }
     std::vector<iovec> iov(s.base.size());
     for (int64_t i = 0; i < live; ++i) {
       for (size_t j = 0; j < s.base.size(); ++j) iov[j] = {s.base[j] + pg[i] * s.nbytes[j], s.nbytes[j]};
@@ -254,7 +273,7 @@ TORCH_LIBRARY(deepinfer_kv_reads, m) {
         "bool touch) -> int", &read_pages);
   m.def("isa() -> str", [] { return std::string("scalar"); });
   m.class_<LayerReads>("LayerReads")
-      .def(torch::init<std::vector<std::string>, at::Tensor, at::Tensor, int64_t>())
+      .def(torch::init<std::vector<std::string>, at::Tensor, at::Tensor, int64_t, int64_t>())
       .def("opened", &LayerReads::opened)
       .def("read", &LayerReads::read)
       .def("finish", &LayerReads::finish);
