@@ -96,3 +96,26 @@ def test_pages_whose_header_it_cannot_predict_take_the_precise_path(tmp_path):
     assert n == N
     same_pages(src, dst, N)
     assert store.stats()["hits"] == N
+
+
+@pytest.mark.parametrize("damage", ["header bit", "missing"])
+def test_layer_reads_keep_the_files_before_the_first_bad_header(tmp_path, damage):
+    src, store, keys, ids, reads = written(tmp_path)
+    bad = 5
+    f = tmp_path / keys[bad][:2] / f"{keys[bad]}.kv"
+    if damage == "missing":
+        f.unlink()
+    else:
+        data = bytearray(f.read_bytes())
+        data[40] ^= 4
+        f.write_bytes(bytes(data))
+    dst = PagePool(SPECS, N + 1, PS, torch.float32, torch.device("cpu"))
+    bufs = PoolTransfer(dst).host_buffers()
+    layers, _ = reads.open_layers(keys, ids, bufs[0][0].nbytes)
+    assert layers.opened() == bad
+    pages, off = torch.arange(1, N + 1), 0
+    for b in bufs:  # one piece per buffer, as a layer-wise stream reads them
+        assert layers.read([b], pages, off) == bad
+        off += b[0].nbytes
+    assert layers.finish(False) == bad
+    same_pages(src, dst, bad)
