@@ -15,7 +15,6 @@ from tqdm import tqdm
 
 from .config import EngineConfig
 from .forward_batch import ForwardBatch, PrefillSegment, Workspace
-from .keep_warm import CoreWarmer
 from .kv.build import build_device_kv
 from .layers.logits_processors import apply_logit_bias, apply_penalties
 from .layers.rotary import RotaryEmbedding
@@ -60,7 +59,6 @@ class ModelRunner:
         self.window_layout = self.window.layout if self.window is not None else None
         self.kv_buffers = self.device_kv.layer_buffers(len(self.specs))
         self.workspace = Workspace()  # gathered decode K/V, shared by every layer and step
-        self.warmer = CoreWarmer(torch.get_num_threads(), self.device)  # worker cores awake in a forward
 
     def _build_model(self, ckpt: Checkpoint, max_model_len: int):
         # Quantized tensors are de-quantized on the device, straight into the model dtype; an
@@ -171,11 +169,10 @@ class ModelRunner:
             # (a request missing from ``tokens`` failed in the step before: its row is dropped)
             batch.input_ids[at] = torch.tensor([tokens.get(r, 0) for _, r in step.pending],
                                                device=self.device)
-        with self.warmer.during():
-            hidden = self.model(batch, self.kv_buffers)
-            if not step.sampled:
-                return None
-            return self.model.compute_logits(hidden[batch.logits_indices])
+        hidden = self.model(batch, self.kv_buffers)
+        if not step.sampled:
+            return None
+        return self.model.compute_logits(hidden[batch.logits_indices])
 
     @torch.inference_mode()
     def forward_spans(self, items: list[tuple[Request, int]],
@@ -184,14 +181,13 @@ class ModelRunner:
         r there (one row for the others): speculative verify spans (``spec/``)."""
         step = self.prepare(items)
         batch, sampled = step.batch, step.sampled
-        with self.warmer.during():
-            hidden = self.model(batch, self.kv_buffers)
-            if not sampled:
-                return sampled, []
-            sizes = [spans.get(r, 1) for r in sampled]
-            rows = torch.cat([torch.arange(i - n + 1, i + 1)  # a sequence's new tokens are contiguous
-                              for i, n in zip(batch.logits_indices.tolist(), sizes)])
-            logits = self.model.compute_logits(hidden[rows.to(self.device)])
+        hidden = self.model(batch, self.kv_buffers)
+        if not sampled:
+            return sampled, []
+        sizes = [spans.get(r, 1) for r in sampled]
+        rows = torch.cat([torch.arange(i - n + 1, i + 1)  # a sequence's new tokens are contiguous
+                          for i, n in zip(batch.logits_indices.tolist(), sizes)])
+        logits = self.model.compute_logits(hidden[rows.to(self.device)])
         return sampled, list(logits.split(sizes))
 
     @torch.inference_mode()
