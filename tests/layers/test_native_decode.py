@@ -128,6 +128,25 @@ def test_same_bits_on_any_thread_count(kernel, threads):
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_of_one_chunk_several_and_none_in_one_batch(kernel, dtype):
+    """A row of one chunk is written by its item, the others by the merge pass (a row with no
+    visible key: zeros); each row gets the bits it gets in a batch of its own."""
+    g = torch.Generator().manual_seed(4)
+    k_cache, v_cache = (torch.randn(120, 16, 3, 64, generator=g).to(dtype) for _ in range(2))
+    lens, los = [40, 700, 9, 300], [40, 0, 0, 0]  # row 0 sees no key (kv_lo = its length)
+    q = torch.randn(len(lens), 9, 64, generator=g).to(dtype)
+    batch = _batch(lens, 120, 16, "auto", los=los)
+    got = decode_attention(q, k_cache, v_cache, batch, 0.125)
+    assert torch.equal(got[0], torch.zeros_like(got[0]))
+    for b in range(1, len(lens)):
+        alone = _batch(lens, 120, 16, "auto", los=los)
+        for name in ("decode_pages", "decode_kv_lens", "decode_kv_lo"):
+            setattr(alone, name, getattr(alone, name)[b : b + 1].contiguous())
+        alone.num_decodes = 1
+        assert torch.equal(got[b], decode_attention(q[b : b + 1], k_cache, v_cache, alone, 0.125)[0])
+
+
 def test_torch_path_where_the_kernel_does_not_apply(kernel):
     k = torch.randn(8, 4, 2, 16)
     q = torch.randn(1, 4, 16)

@@ -5,9 +5,10 @@
 // Work item: (sequence, kv head, chunk of kSplit keys). The q heads of one kv head (GQA) share
 // each key and value load (paged_block.h: a block's keys scored for each head from L1, each value
 // vector widened once for every head). Within a chunk keys are scored kBlock at a time, with an
-// online softmax in fp32 (running max, rescaled sum and accumulator); chunks are merged in order
-// by a second pass. The split depends only on the context length, never on the thread count, so
-// results are the same on any number of threads.
+// online softmax in fp32 (running max, rescaled sum and accumulator); a row's chunks are merged in
+// order by a second pass (a row of one chunk is finished by its item, with the same arithmetic).
+// The split depends only on the context length, never on the thread count, so results are the
+// same on any number of threads.
 //
 // Keys at positions [lo, len) are visible: lo = max(kv_start, kv_lo, len - window), the
 // mask the torch path builds (kv_start: position of the page table's first key, ring views).
@@ -68,6 +69,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   const T* kp = k_cache.data_ptr<T>();
   const T* vp = v_cache.data_ptr<T>();
   const int64_t* pp = pages.data_ptr<int64_t>();
+  T* op = out.data_ptr<T>();
   const auto ks = k_cache.strides(), vs = v_cache.strides();
   // Items of fewer query-key pairs than kMinParallel together run on this thread: a parallel
   // region costs more than they do (and far more when another process holds a core).
@@ -75,7 +77,7 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
   for (const Item& it : items) keys += it.end - it.begin;
   const int64_t grain = keys * Hq >= kMinParallel ? 1 : std::max<int64_t>(1, n_items * Hkv);
   at::parallel_for(0, n_items * Hkv, grain, [&](int64_t lo, int64_t hi) {
-    std::vector<float> qf(G * D), sc(G * kBlock), cs(G);
+    std::vector<float> qf(G * D), sc(G * kBlock), cs(G), acc(Dv);
     // Item i's K/V rows of all heads, loaded into cache while the item before it runs (the first
     // one up front): after the layer's weights went through the caches, an item's own loads, a
     // few in flight at a time, waited on memory.
@@ -91,13 +93,24 @@ void run(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cac
       if ((h == 0 || w == lo) && (w / Hkv + 1) * Hkv < hi) touch(w / Hkv + 1);
       const PagedHead<T> kv{kp + h * ks[2], vp + h * vs[2], ks, vs, pp + it.b * width,
                             kv_start ? kv_start[it.b] : 0, S, D, Dv};
-      attend_chunk(it, kv, qp + (it.b * Hq + h * G) * D, G, scale, part.data() + w * G * row, qf, sc, cs);
+      float* pw = part.data() + w * G * row;
+      attend_chunk(it, kv, qp + (it.b * Hq + h * G) * D, G, scale, pw, qf, sc, cs);
+      if (first_item[it.b + 1] - first_item[it.b] == 1)  // its only chunk: its output, as the merge gives it
+        for (int64_t g = 0; g < G; ++g) merge_chunks(pw + g * row, 0, 1, Dv, acc.data(), op + ((it.b * Hkv + h) * G + g) * Dv);
     }
   });
-  merge_rows(B, Hkv, G, Dv, grain == 1 ? 16 : std::max<int64_t>(1, B * Hkv), [&](int64_t b, int64_t h) {
+  // The rows of several chunks (or none: zeros) are merged in a second pass; a row of one chunk
+  // was written above, which saves short contexts a parallel region per layer.
+  std::vector<int64_t> merged;
+  for (int64_t b = 0; b < B; ++b)
+    if (first_item[b + 1] - first_item[b] != 1) merged.push_back(b);
+  if (merged.empty()) return;
+  const int64_t n = static_cast<int64_t>(merged.size());
+  merge_rows<T>(n, Hkv, G, Dv, grain == 1 ? 16 : std::max<int64_t>(1, n * Hkv), [&](int64_t r, int64_t h) {
+    const int64_t b = merged[r];
     return std::make_tuple(part.data() + (first_item[b] * Hkv + h) * G * row, Hkv * G * row,
-                           first_item[b + 1] - first_item[b]);
-  }, out.data_ptr<T>());
+                           first_item[b + 1] - first_item[b], op + (b * Hkv + h) * G * Dv);
+  });
 }
 
 void check_inputs(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache) {

@@ -142,17 +142,16 @@ inline void merge_chunks(const float* part, int64_t stride, int64_t count, int64
   for (int64_t d = 0; d < Dv; ++d) out[d] = static_cast<T>(acc[d] * inv);
 }
 
-// out [rows, Hkv * G, Dv]: each row's heads merged from their chunk partials, where
-// chunks(r, h) = (row r's first partial for the first q head of kv head h, the stride between its
-// chunks, their count); the G heads' partials follow each other (Dv + 2 floats apart).
+// Each of `rows` rows' heads merged from their chunk partials, where chunks(r, h) = (row r's first
+// partial for the first q head of kv head h, the stride between its chunks, their count, where its
+// G heads' Dv outputs go); the G heads' partials follow each other (Dv + 2 floats apart).
 template <typename T, typename Chunks>
-void merge_rows(int64_t rows, int64_t Hkv, int64_t G, int64_t Dv, int64_t grain, Chunks&& chunks, T* out) {
+void merge_rows(int64_t rows, int64_t Hkv, int64_t G, int64_t Dv, int64_t grain, Chunks&& chunks) {
   at::parallel_for(0, rows * Hkv, grain, [&](int64_t lo, int64_t hi) {
     std::vector<float> acc(Dv);
     for (int64_t w = lo; w < hi; ++w) {
-      const auto [part, stride, count] = chunks(w / Hkv, w % Hkv);
-      for (int64_t g = 0; g < G; ++g)
-        merge_chunks(part + g * (Dv + 2), stride, count, Dv, acc.data(), out + (w * G + g) * Dv);
+      const auto [part, stride, count, out] = chunks(w / Hkv, w % Hkv);
+      for (int64_t g = 0; g < G; ++g) merge_chunks(part + g * (Dv + 2), stride, count, Dv, acc.data(), out + g * Dv);
     }
   });
 }

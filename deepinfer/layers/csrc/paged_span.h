@@ -128,9 +128,11 @@ void run_span(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& 
                         part.data() + (it.c * Hkv + it.h) * R * G * row, qf, sc, cs, krow, vrow);
     }
   });
-  merge_rows(R, Hkv, G, Dv, parallel ? 16 : std::max<int64_t>(1, R * Hkv), [&](int64_t r, int64_t h) {
-    return std::make_tuple(part.data() + (h * R + r) * G * row, Hkv * R * G * row, rows[r].chunks());
-  }, out.data_ptr<T>());
+  T* op = out.data_ptr<T>();
+  merge_rows<T>(R, Hkv, G, Dv, parallel ? 16 : std::max<int64_t>(1, R * Hkv), [&](int64_t r, int64_t h) {
+    return std::make_tuple(part.data() + (h * R + r) * G * row, Hkv * R * G * row, rows[r].chunks(),
+                           op + (r * Hkv + h) * G * Dv);
+  });
 }
 
 }  // namespace deepinfer_attention
