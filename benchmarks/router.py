@@ -195,7 +195,7 @@ def placements(log: Path, workers: list[str]) -> list[dict]:
             p = json.loads(line[line.index("placement {") + len("placement "):])
             out.append({"worker": workers.index(p["worker"]), "prompt_tokens": p["prompt_tokens"],
                         "hit_pages": p["hit_pages"], "pooled_pages": p["pooled_pages"],
-                        "sticky": p["sticky"],
+                        "sticky": p["sticky"], "awaits": p["awaits"],
                         "costs": [p["costs"].get(w) for w in workers],
                         "loads": [p["loads"].get(w) for w in workers]})
     return out
