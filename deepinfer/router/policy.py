@@ -68,7 +68,7 @@ class Choice:
 
     @property
     def predicted_hit_tokens(self) -> int:
-        return (self.overlap.pages + self.overlap.pooled) * (self.page_size or 0)
+        return (self.overlap.pages + self.overlap.pooled + self.awaits) * (self.page_size or 0)
 
     @property
     def pending_hit_tokens(self) -> int:
