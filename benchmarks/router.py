@@ -195,7 +195,7 @@ def placements(log: Path, workers: list[str]) -> list[dict]:
             p = json.loads(line[line.index("placement {") + len("placement "):])
             out.append({"worker": workers.index(p["worker"]), "prompt_tokens": p["prompt_tokens"],
                         "hit_pages": p["hit_pages"], "pooled_pages": p["pooled_pages"],
-                        "sticky": p["sticky"],
+                        "sticky": p["sticky"], "awaits": p["awaits"],
                         "costs": [p["costs"].get(w) for w in workers],
                         "loads": [p["loads"].get(w) for w in workers]})
     return out
@@ -237,6 +237,9 @@ def run_one(config: str, wl: Workload, pages: int, max_len: int, concurrency: in
                 # which requests missed: session / turn -> (prompt, cached) tokens
                 "hits_by_request": {r.request_id: (r.prompt_tokens, r.cached_tokens)
                                     for r in records if r.ok},
+                # when each was sent (s into the run) and which tiers served its hits
+                "sent_by_request": {r.request_id: r.arrival_s for r in records},
+                "tiers_by_request": {r.request_id: r.cached_by_tier for r in records if r.ok},
                 "requests": s["num_requests"], "errors": s["num_errors"],
                 "first_errors": [r.error for r in records if not r.ok][:3],
                 "prompt_tokens": s["prompt_tokens"], "cached_tokens": s["cached_tokens"]}
@@ -288,7 +291,8 @@ def main() -> None:
                 run = run_one(config, wl, shapes[name].pages, args.max_model_len,
                               args.concurrency, logs)
                 res["runs"][name][config].append(run)
-                brief = ("placements", "ttft_s", "ttft_by_request", "hits_by_request")
+                brief = ("placements", "ttft_s", "ttft_by_request", "hits_by_request",
+                         "sent_by_request", "tiers_by_request")
                 print("  " + json.dumps({k: v for k, v in run.items() if k not in brief}),
                       file=sys.stderr, flush=True)
             (out / "summary.json").write_text(json.dumps(res, indent=1))

@@ -9,7 +9,8 @@ modelled workers. A worker runs the engine scheduler's rules: continuous batchin
 LRU, pages of running requests pinned; decode pages are not counted), waits while another request computes its next pages
 (``KVCacheManager.joins_computing``) or while its pool pages load, and reports stored and
 evicted pages to the index as KV events do; with a shared pool every computed page is written
-through to it. A step costs ``a + b x tokens computed + c x sequences decoding``, prices
+through to it, and a request the policy sends to wait for a peer's pages in the pool is held
+(as the router holds it) until they are written. A step costs ``a + b x tokens computed + c x sequences decoding``, prices
 measured on the real model (single-thread CPU time, which other processes' load barely moves)
 or given by ``--prices``. Step times get a log-normal jitter (``--jitter``), one seed per run,
 so runs differ in arrival order as real ones do.
@@ -38,7 +39,8 @@ from router import POOL, front_args
 
 from deepinfer.kv.hashing import chain_hashes, root_hash
 from deepinfer.router.index import PrefixIndex
-from deepinfer.router.policy import CostWeights, Policy
+from deepinfer.router.policy import Choice, CostWeights, Policy
+from deepinfer.router.pool_wait import PoolWaits
 from deepinfer.router.prompts import RoutedPrompt
 from deepinfer.router.workers import Routed, Worker
 from deepinfer.server.protocol import parse_request
@@ -276,12 +278,15 @@ class Cluster:
         self._rng, self._jitter = random.Random(seed + 1), jitter
         policy, args = front_args(config)
         opts = {a[2:].replace("-", "_"): float(v) for a, v in zip(args[::2], args[1::2])}
+        waits = opts.pop("pool_wait", 1.0) > 0  # the router's --pool-wait (its length: no limit)
         unknown = set(opts) - {f.name for f in fields(CostWeights)}
         if unknown:
             raise SystemExit(f"{config}: not a cost weight: {sorted(unknown)}")
         self.index = PrefixIndex(clock=lambda: self.now)
         self.policy = Policy("kv" if policy == SINGLE else policy, self.index,
-                             replace(CostWeights(), **opts))
+                             replace(CostWeights(), **opts), pool_waits=waits)
+        self.waits = PoolWaits(self.index, timeout_s=0.0)  # its bookkeeping; held: retried below
+        self.held: list[tuple[Request, Choice, int]] = []  # waiting for the pool, at the router
         self.pool: set[bytes] | None = set() if config.endswith(POOL) else None
         pages = {"agent": 72, "chat": 56}[name]
         urls = ("w0", "w1")
@@ -318,6 +323,9 @@ class Cluster:
                 self.pool.update(hashes)
                 self.index.apply(url, [{"type": "stored", "tier": "disk",
                                         "hashes": [h.hex() for h in hashes]}])
+                held, self.held = self.held, []
+                for r, c, n in held:
+                    self._arrive(r, c, n)
             self.at(self.now + EVENT_S + LOAD_S_PER_PAGE * len(hashes), written)
 
     def _send(self, s: int, k: int) -> None:
@@ -333,6 +341,19 @@ class Cluster:
         w.begin(r.routed)
         self.index.add_pending(w.url, hashes)
         self.policy.conversations.record(hashes, w.url)
+        self.waits.hold(w.url, hashes[c.awaited_pages - c.awaits:c.awaited_pages])
+        self._arrive(r, c, max(c.awaited_pages, self.waits.reach(w.url, hashes)))
+
+    def _arrive(self, r: Request, c: Choice, n: int) -> None:
+        """``r`` reaches its worker, or is held at the router until the pool has its first
+        ``n`` pages (``pool_wait.py``)."""
+        w = c.worker
+        if n and not self.index.servable(w.url, [v.url for v in self.workers if v is not w],
+                                         r.hashes[:n]):
+            self.held.append((r, c, n))
+            return
+        self.waits.release(w.url, r.hashes[c.awaited_pages - c.awaits:c.awaited_pages])
+        w.loads(r.routed, c.awaits)
         self.models[w.url].add(r)
 
     def _pump(self) -> None:

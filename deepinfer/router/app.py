@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import fields
 from typing import TypeVar
@@ -34,7 +35,8 @@ from .events import follow
 from .index import PrefixIndex
 from . import pd
 from .metrics import render
-from .policy import Choice, CostWeights, Policy
+from .policy import Choice, CostWeights, Policy, pool_peers
+from .pool_wait import PoolWaits
 from .prompts import PromptTokenizer, RoutedPrompt
 from .proxy import (StreamSniffer, cached_tokens, passed_headers, streamed,
                     unless_disconnected, whole)
@@ -62,7 +64,9 @@ class Router:
                                config.health_interval_s, config.worker_api_key)
         self.policy = Policy(config.policy, self.index,
                              CostWeights(**{f.name: getattr(config, f.name)
-                                            for f in fields(CostWeights)}))
+                                            for f in fields(CostWeights)}),
+                             pool_waits=config.pool_wait_s > 0 and not config.disaggregated)
+        self.waits = PoolWaits(self.index, config.pool_wait_s)
         self.tokens = PromptTokenizer(tokenizer)
         self.client: httpx.AsyncClient | None = None
         self.retries = 0
@@ -81,7 +85,7 @@ class Router:
                 "role": role, "worker": choice.worker.url, "prompt_tokens": prompt.num_tokens,
                 "hit_pages": choice.overlap.pages, "pooled_pages": choice.overlap.pooled,
                 "costs": choice.costs,
-                "sticky": choice.sticky,
+                "sticky": choice.sticky, "awaits": choice.awaits,
                 "loads": {w.url: [w.prefill_pages, w.decoding, self.policy.free_pages(w)]
                           for w in workers}}))
         return choice
@@ -99,7 +103,33 @@ class Router:
             hashes = prompt.page_hashes(w.model_identity, w.page_size)
             self.index.add_pending(w.url, hashes)
             self.policy.conversations.record(hashes, w.url)
+            self.waits.hold(w.url, hashes[choice.awaited_pages - choice.awaits:
+                                          choice.awaited_pages])
         return r
+
+    async def await_pool(self, choice: Choice, prompt: RoutedPrompt, r: Routed) -> None:
+        """Hold the request until the pool has the pages it awaits, or those another request
+        awaits on its worker (``pool_wait.py``); then it loads what it awaited."""
+        w = choice.worker
+        if w.model_identity is None or w.page_size is None:
+            return
+        hashes = prompt.page_hashes(w.model_identity, w.page_size)
+        n = max(choice.awaited_pages, self.waits.reach(w.url, hashes))
+        if not n:
+            return
+        w.pool_waits += 1
+        peers = pool_peers(self.pool.healthy(w.role))[w.url]
+        t0 = time.monotonic()
+        try:
+            ok = await self.waits.wait(w.url, peers, hashes[:n])
+            w.pool_wait_timeouts += not ok
+            placement_log.info("pool wait %s", json.dumps({
+                "worker": w.url, "pages": n, "seconds": round(time.monotonic() - t0, 3),
+                "complete": ok}))
+        finally:
+            end = choice.awaited_pages
+            self.waits.release(w.url, hashes[end - choice.awaits:end])
+        w.loads(r, choice.awaits)
 
     def unroute(self, choice: Choice, prompt: RoutedPrompt) -> None:
         """The request failed on the chosen worker: its pages are not coming there."""
@@ -180,6 +210,7 @@ class Router:
         routed = self.route(choice, prompt, cached=not self.config.disaggregated)
         handed_off = ok = False
         try:
+            await self.await_pool(choice, prompt, routed)
             up = self.client.build_request("POST", w.url + path, headers=headers,
                                            content=json.dumps(body).encode())
             resp = await unless_disconnected(request, asyncio.ensure_future(
@@ -237,7 +268,8 @@ class Router:
              "pending_pages": self.index.num_pending(w.url),
              "predicted_hit_tokens": w.predicted_hit_tokens,
              "pending_hit_tokens": w.pending_hit_tokens,
-             "reported_hit_tokens": w.reported_hit_tokens, "event_resets": w.event_resets}
+             "reported_hit_tokens": w.reported_hit_tokens, "event_resets": w.event_resets,
+             "pool_waits": w.pool_waits, "pool_wait_timeouts": w.pool_wait_timeouts}
             for w in self.pool.workers]}
 
     def metrics(self) -> str:
@@ -252,7 +284,8 @@ class Router:
             self.client = httpx.AsyncClient(timeout=timeout, limits=limits)
             await asyncio.gather(*(self.pool.check(self.client, w) for w in self.pool.workers))
             tasks = [asyncio.create_task(self.pool.health_loop(self.client))] + [
-                asyncio.create_task(follow(self.client, self.pool, w, self.config.events_wait_s))
+                asyncio.create_task(follow(self.client, self.pool, w, self.config.events_wait_s,
+                                           self.waits.changed))
                 for w in self.pool.workers]
             yield
             for t in tasks:

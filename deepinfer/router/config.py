@@ -35,6 +35,9 @@ class RouterConfig:
     duplicate_weight: float = 1.0
     idle_duplicate_weight: float = 1.0
     pool_weight: float = 0.1  # ... and each page it would load from the pool costs this
+    # ... or the request waits for such pages in the pool, held at the router (then loads them)
+    # up to this many seconds, where that costs less than computing them (0: never waits)
+    pool_wait_s: float = 10.0
     pending_ttl_s: float = 30.0  # how long a routed request's pages count before an event
     worker_api_key: str | None = None  # sent on the router's own calls (KV events, snapshots)
     model: str | None = None  # the workers' model (tokenizer + chat template); None: default
@@ -68,6 +71,7 @@ class RouterConfig:
                         ("duplicate_weight", self.duplicate_weight),
                         ("idle_duplicate_weight", self.idle_duplicate_weight),
                         ("pool_weight", self.pool_weight),
+                        ("pool_wait_s", self.pool_wait_s),
                         ("pending_ttl_s", self.pending_ttl_s)):
             if v < 0:
                 raise ValueError(f"{name} must be >= 0")
@@ -118,6 +122,11 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pool-weight", type=float, default=d.pool_weight,
                    help="workers sharing a KV pool: kv cost per page the request would load "
                         "from the pool instead of computing it (a computed page costs 1)")
+    p.add_argument("--pool-wait", type=float, default=d.pool_wait_s,
+                   help="workers sharing a KV pool: seconds a request may be held until the "
+                        "pool has the pages another of them is computing, to load them instead "
+                        "of computing a second copy, where the kv cost of that wait is lower "
+                        "(0: never held)")
     p.add_argument("--pending-ttl", type=float, default=d.pending_ttl_s,
                    help="seconds a routed request's pages count as on its worker before the "
                         "worker's KV events confirm them")
@@ -146,7 +155,7 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
                         evict_weight=args.evict_weight, stick_gap=args.stick_gap,
                         duplicate_weight=args.duplicate_weight,
                         idle_duplicate_weight=args.idle_duplicate_weight,
-                        pool_weight=args.pool_weight,
+                        pool_weight=args.pool_weight, pool_wait_s=args.pool_wait,
                         pending_ttl_s=args.pending_ttl,
                         worker_api_key=args.worker_api_key or None, model=args.model,
                         chat_template=read_chat_template(args.chat_template), host=args.host,

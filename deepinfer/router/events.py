@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 
 import httpx
 
@@ -45,8 +46,10 @@ async def poll(client: httpx.AsyncClient, pool: WorkerPool, w: Worker, wait_s: f
     w.seq = body["seq"]
 
 
-async def follow(client: httpx.AsyncClient, pool: WorkerPool, w: Worker, wait_s: float) -> None:
-    """Keep ``pool.index`` current for ``w`` while it is healthy (runs until cancelled)."""
+async def follow(client: httpx.AsyncClient, pool: WorkerPool, w: Worker, wait_s: float,
+                 changed: Callable[[], Awaitable[None]]) -> None:
+    """Keep ``pool.index`` current for ``w`` while it is healthy (runs until cancelled);
+    ``changed()`` after each update (requests waiting on the index look again)."""
     while True:
         if not w.healthy:
             await asyncio.sleep(pool.interval_s / 4)
@@ -54,7 +57,9 @@ async def follow(client: httpx.AsyncClient, pool: WorkerPool, w: Worker, wait_s:
         try:
             if not w.synced:
                 await sync(client, pool, w)
+                await changed()
             await poll(client, pool, w, wait_s)
+            await changed()
         except (httpx.HTTPError, ValueError, KeyError) as e:
             if w.synced:
                 log.warning("KV events of %s lost (%s); resyncing", w.url, e)

@@ -141,6 +141,13 @@ class PrefixIndex:
             n += 1
         return n - start
 
+    def servable(self, worker: str, peers: Sequence[str], hashes: Sequence[bytes]) -> bool:
+        """Whether ``worker`` holds each of ``hashes`` (by its events) or can load it from the
+        pool (some of ``peers`` wrote it there)."""
+        own = self._held.get(worker, {})
+        held = [self._held.get(p, {}) for p in peers]
+        return all(h in own or any(x.get(h, 0) & _DISK for x in held) for h in hashes)
+
     def num_pages(self, worker: str) -> int:
         return len(self._held.get(worker, {}))
 

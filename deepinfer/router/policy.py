@@ -32,7 +32,13 @@ ones, spread by load, load it from the pool. On an idle worker (no open request)
 which keeps a single engine's hit rate). At 0 an idle worker's copy costs only the wait: it takes
 compute from no other request there, while waiting on the peer's prefill delays this one's first
 token (a benchmark's first wave of agents all gathered on one worker while the other idled), at
-the price of a second computed copy of the prefix. Without a
+the price of a second computed copy of the prefix. Instead of computing such pages, a request
+may wait for them in the pool (``pool_wait.py``: the router holds it until the peer's events
+say the pool has them; ``pool_waits``): that costs them as its own prefill (the wait is about
+the peer computing them) plus a load each, no second copy, and is chosen where it costs less
+(with the default weights, always, unless the worker is idle and ``idle_duplicate_weight`` is
+below ``pool_weight``). So the first requests of a new shared prefix spread by load as without
+a pool, and each worker but the one computing it loads it. Without a
 shared pool each worker needs its own copy to serve the prefix at all, so that price is the
 plain prefill the cost above already counts: the cost is then exactly the one above. Nor does
 stickiness hold a conversation that another candidate can load from the pool: a move there
@@ -58,14 +64,20 @@ class Choice:
     page_size: int | None  # the worker's (None: not synced yet; no prediction)
     costs: dict[str, float] = field(default_factory=dict)  # kv: each candidate's, by URL
     sticky: bool = False  # kv: kept on its conversation's worker, whatever the costs
+    awaits: int = 0  # pages a pool peer is computing that it waits for in the pool, then loads
 
     @property
     def predicted_hit_tokens(self) -> int:
-        return (self.overlap.pages + self.overlap.pooled) * (self.page_size or 0)
+        return (self.overlap.pages + self.overlap.pooled + self.awaits) * (self.page_size or 0)
 
     @property
     def pending_hit_tokens(self) -> int:
         return self.overlap.pending * (self.page_size or 0)
+
+    @property
+    def awaited_pages(self) -> int:
+        """The leading pages of the prompt the pool must hold before it is sent (0: now)."""
+        return self.overlap.pages + self.overlap.pooled + self.awaits if self.awaits else 0
 
 
 @dataclass(frozen=True)
@@ -109,11 +121,12 @@ def pool_peers(workers: list[Worker]) -> dict[str, list[str]]:
 
 class Policy:
     def __init__(self, name: str, index: PrefixIndex, weights: CostWeights = CostWeights(),
-                 conversations: Conversations | None = None) -> None:
+                 conversations: Conversations | None = None, pool_waits: bool = True) -> None:
         self.name = name
         self.index = index
         self.weights = weights
         self.conversations = conversations or Conversations()
+        self.pool_waits = pool_waits  # a request may wait for a peer's pages in the pool
         self._turn = itertools.count()
 
     def overlap(self, w: Worker, prompt: RoutedPrompt, peers: Sequence[str] = ()) -> Overlap:
@@ -140,12 +153,20 @@ class Policy:
         return w.cache_pages - self.index.device_pages(w.url) - self.index.num_pending(w.url)
 
     def cost(self, w: Worker, prompt: RoutedPrompt, hit: Overlap, peers: Sequence[str] = ()
-             ) -> tuple[float, float]:
+             ) -> tuple[float, float, int]:
+        """(cost, tie-break, pages it awaits in the pool): computing the pages a pool peer is
+        computing, or waiting for them there (see the module doc), whichever costs less."""
         free = self.free_pages(w)
         adds = prompt.pages(w.page_size) - hit.pages  # pooled pages land in its L1 too
-        return kv_cost(prompt.prompt_pages(w.page_size) - hit.pages - hit.pooled, w.load,
-                       self.weights, 0 if free is None else overflow(adds, free),
-                       self.duplicates(w, prompt, hit, peers), hit.pooled)
+        evicts = 0 if free is None else overflow(adds, free)
+        to_prefill = prompt.prompt_pages(w.page_size) - hit.pages - hit.pooled
+        dup = self.duplicates(w, prompt, hit, peers)
+        computes = kv_cost(to_prefill, w.load, self.weights, evicts, dup, hit.pooled)
+        if not (dup and self.pool_waits):
+            return (*computes, 0)
+        # the wait for a page the peer computes is about its prefill: it stays in to_prefill
+        waits = kv_cost(to_prefill, w.load, self.weights, evicts, 0, hit.pooled + dup)
+        return (*waits, dup) if waits[0] < computes[0] else (*computes, 0)
 
     def _holds_conversation(self, w: Worker, prompt: RoutedPrompt) -> bool:
         if not w.synced or w.model_identity is None or w.page_size is None:
@@ -188,5 +209,6 @@ class Policy:
             best = home or min(order, key=lambda w: (costs[w.url][0], -overlaps[w.url].pages,
                                                      costs[w.url][1]))
             return Choice(best, overlaps[best.url], best.page_size,
-                          {u: c for u, (c, _) in costs.items()}, sticky=home is not None)
+                          {u: c for u, (c, _, _) in costs.items()}, sticky=home is not None,
+                          awaits=costs[best.url][2])
         return Choice(best, overlaps[best.url], best.page_size)

@@ -50,6 +50,8 @@ class Worker:
     pending_hit_tokens: int = 0  # the part of those that was pending (routed, no event yet)
     reported_hit_tokens: int = 0  # what its responses said they hit (usage cached_tokens)
     connect_failures: int = 0
+    pool_waits: int = 0  # requests held until the shared pool had pages a peer computed
+    pool_wait_timeouts: int = 0  # of those, sent before the pool had them all
     # The KV event subscription (``events.py``):
     synced: bool = False  # the index holds its snapshot and the events after it
     seq: int = 0
@@ -73,6 +75,12 @@ class Worker:
             self.prefill_pages -= r.prefill_pages
             self.decoding += 1
             r.prefill_pages, r.decoding = 0, True
+
+    def loads(self, r: Routed, pages: int) -> None:
+        """``pages`` of ``r``'s predicted prefill (a peer's, awaited) are in the pool now."""
+        pages = min(pages, r.prefill_pages)
+        self.prefill_pages -= pages
+        r.prefill_pages -= pages
 
     def end(self, r: Routed) -> None:
         self.in_flight -= 1

@@ -52,7 +52,9 @@ class Server:
             engine.tokenizer.chat_template = self.config.chat_template
         self.defaults = generation_defaults(self.config.generation_config, engine.checkpoint_path)
         self.async_engine = AsyncEngine(engine, self.config)
-        self.kv_events = attach_event_log(engine.kv.tree, self.config.kv_events_buffer)
+        tiers = engine.kv.tiers
+        self.kv_events = attach_event_log(engine.kv.tree, self.config.kv_events_buffer,
+                                          None if tiers is None else tiers.backend.writing)
         self.model_name = self.config.served_model_name or engine.model_name
         self.model_names = {self.model_name, engine.model_name}
         if engine.config.model:

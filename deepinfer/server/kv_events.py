@@ -25,12 +25,13 @@ import itertools
 import threading
 import time
 from collections import deque
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from ..kv.radix import TIER_NAMES, RadixTree
+from ..kv.radix import DISK, TIER_NAMES, RadixTree
 from .api_error import APIError
 from .async_engine import AsyncEngine
 
@@ -51,28 +52,60 @@ class KVEvent:
 
 
 class KVEventLog:
-    """Bounded, numbered buffer of the tree's events (the ``TreeListener`` of one tree)."""
+    """Bounded, numbered buffer of the tree's events (the ``TreeListener`` of one tree).
 
-    def __init__(self, max_events: int = 4096) -> None:
+    ``writing(hashes)`` (the tier backend's): whether L3 writes of those pages are still
+    queued. The tree records L3 when a write is queued, but a peer sharing the KV pool can only
+    load a page once it is there, so an L3 "stored" event waits until its writes land."""
+
+    def __init__(self, max_events: int = 4096,
+                 writing: Callable[[list[bytes]], bool] | None = None) -> None:
         self.max_events = max_events
         self._events: deque[KVEvent] = deque(maxlen=max_events)
         self._lock = threading.Lock()
         self.seq = 0  # the last event's number (0: none yet)
+        self._writing = writing
+        self._unwritten: list[list[bytes]] = []  # L3 stored events whose writes are queued
 
-    def _add(self, stored: bool, hashes: list[bytes], tier: int) -> None:
+    def _add(self, stored: bool, hashes: Sequence[bytes], tier: int) -> None:
         with self._lock:
-            self.seq += 1
-            self._events.append(KVEvent(self.seq, stored, tier, tuple(hashes)))
+            self._append(stored, hashes, tier)
+
+    def _append(self, stored: bool, hashes: Sequence[bytes], tier: int) -> None:
+        self.seq += 1
+        self._events.append(KVEvent(self.seq, stored, tier, tuple(hashes)))
 
     def stored(self, hashes: list[bytes], tier: int) -> None:
+        if tier == DISK and self._writing is not None and self._writing(hashes):
+            with self._lock:
+                self._unwritten.append(list(hashes))
+            return
         self._add(True, hashes, tier)
 
     def removed(self, hashes: list[bytes], tier: int) -> None:
+        if tier == DISK:
+            gone = set(hashes)
+            with self._lock:
+                self._unwritten = [[h for h in e if h not in gone] for e in self._unwritten]
         self._add(False, hashes, tier)
+
+    def _landed(self) -> None:
+        """Publish the L3 stored events whose writes landed."""
+        assert self._writing is not None
+        with self._lock:
+            still = []
+            for hashes in filter(None, self._unwritten):
+                if self._writing(hashes):
+                    still.append(hashes)
+                else:
+                    self._append(True, hashes, DISK)
+            self._unwritten = still
 
     def since(self, seq: int) -> tuple[list[KVEvent], bool]:
         """(events after ``seq``, reset): reset is True when some of them are no longer held
         or ``seq`` is ahead of this log; the caller must then resync from the snapshot."""
+        if self._unwritten:
+            self._landed()
         with self._lock:
             if seq > self.seq or (self._events and seq < self._events[0].seq - 1):
                 return [], True
@@ -90,11 +123,12 @@ class KVEventLog:
             await asyncio.sleep(_POLL_S)
 
 
-def attach_event_log(tree: RadixTree | None, max_events: int) -> KVEventLog | None:
+def attach_event_log(tree: RadixTree | None, max_events: int,
+                     writing: Callable[[list[bytes]], bool] | None = None) -> KVEventLog | None:
     """The event log of ``tree`` (None without a prefix cache, or ``max_events`` 0)."""
     if tree is None or max_events == 0:
         return None
-    log = KVEventLog(max_events)
+    log = KVEventLog(max_events, writing)
     tree.listener = log
     return log
 

@@ -4,7 +4,7 @@ its reset rule, the router's prefix index, and the kv policy's cost."""
 from __future__ import annotations
 
 from deepinfer.kv.hashing import chain_hashes, root_hash
-from deepinfer.kv.radix import DEVICE, HOST, RadixTree
+from deepinfer.kv.radix import DEVICE, DISK, HOST, RadixTree
 from deepinfer.router.index import PrefixIndex
 from deepinfer.router.policy import Policy
 from deepinfer.router.prompts import RoutedPrompt
@@ -118,3 +118,22 @@ def test_kv_cost_weighs_prefill_against_load():
     cold = _prompt([7] * 9)  # no overlap anywhere, equal load: in turn
     a.prefill_pages = 0
     assert {kv.pick([a, b], cold).worker.url for _ in range(2)} == {"a", "b"}
+
+
+def test_an_l3_stored_event_waits_until_its_writes_land():
+    """The tree records L3 when a write is queued; a pool peer can load the page only once it
+    is there, so the log publishes L3 "stored" when ``writing`` says the write landed (other
+    tiers at once), and an L3 removal before then drops it."""
+    queued = {b"\x01" * 8, b"\x02" * 8}
+    log = KVEventLog(writing=lambda hashes: any(h in queued for h in hashes))
+    log.stored([b"\x01" * 8], DISK)
+    log.stored([b"\x02" * 8], DISK)
+    log.stored([b"\x03" * 8], DEVICE)
+    events, _ = log.since(0)
+    assert [(e.tier, e.hashes) for e in events] == [(DEVICE, (b"\x03" * 8,))]
+    log.removed([b"\x02" * 8], DISK)  # evicted from the pool before its write landed
+    queued.clear()
+    events, _ = log.since(1)
+    assert [(e.stored, e.tier, e.hashes) for e in events] == [
+        (False, DISK, (b"\x02" * 8,)), (True, DISK, (b"\x01" * 8,))]
+    assert log.since(log.seq) == ([], False)

@@ -1,6 +1,7 @@
 """The kv policy over workers sharing one KV pool, without processes: pages a peer wrote to the
 pool (its L3 events) are hits on every peer at ``pool_weight`` each, pages a peer holds or
-computes but has not written cost ``duplicate_weight`` more, a conversation another worker can
+computes but has not written cost ``duplicate_weight`` more, or a wait for them in the pool
+(``Choice.awaits``) where that costs less, a conversation another worker can
 load from the pool is not held by stickiness, and without a shared pool the cost is the plain
 one (exact expected workers and costs)."""
 
@@ -62,23 +63,26 @@ def test_index_pooled_and_coming_pages_of_peers():
     assert idx.pooled(["a"], h, 0) == 8
 
 
-def test_a_new_shared_prefix_gathers_where_it_is_computed_with_a_pool():
+def test_a_new_shared_prefix_is_computed_once_with_a_pool():
     """a computes the system prompt (routed there, nothing written yet) and b decodes one
-    request: a second request is cheaper on a (wait for it: 3 pages + a's 13 open) than
-    computing it again on b (13 + 10 duplicated + 1 decoding); without a shared pool the
-    cost is Dynamo's and b wins (14 < 16)."""
-    for pool, expect, costs in ((POOL, "a", {"a": 16.0, "b": 24.0}),
-                                (None, "b", {"a": 16.0, "b": 14.0})):
+    request. Waiting on b for a's copy in the pool (13 pages of wait and compute + 1.0 for
+    loading 10 + 1 decoding: 15) beats a (3 pages + a's 13 open: 16) and computing it again on
+    b (13 + 10 duplicated + 1): b, awaiting those 10 pages. Without waits the request gathers on
+    a (16 < 24); without a shared pool the cost is Dynamo's and b computes them (14 < 16)."""
+    for pool, waits, expect, costs, awaits in ((POOL, True, "b", {"a": 16.0, "b": 15.0}, 10),
+                                               (POOL, False, "a", {"a": 16.0, "b": 24.0}, 0),
+                                               (None, True, "b", {"a": 16.0, "b": 14.0}, 0)):
         idx = PrefixIndex()
         a, b = _worker("a", pool), _worker("b", pool)
-        kv = Policy("kv", idx, NO_EVICT)
+        kv = Policy("kv", idx, NO_EVICT, pool_waits=waits)
         first = kv.pick([a, b], _request(1))
         assert first.worker is a  # a tie, in turn
         idx.add_pending("a", _request(1).page_hashes("model-x", PS))
         a.begin(Routed(pages=14, prefill_pages=13))
         _decoding(b)
         c = kv.pick([a, b], _request(2))
-        assert (c.worker.url, c.costs, c.overlap.pooled) == (expect, costs, 0)
+        assert (c.worker.url, c.costs, c.overlap.pooled, c.awaits) == (expect, costs, 0, awaits)
+        assert c.awaited_pages == awaits  # the pool must hold the first 10 pages before it goes
 
 
 def _decoding(w: Worker) -> None:
@@ -88,33 +92,37 @@ def _decoding(w: Worker) -> None:
     w.first_token(r)
 
 
-def test_an_idle_worker_computes_a_new_shared_prefix_instead_of_waiting():
-    """Four requests sharing a new system prompt at once. With ``idle_duplicate_weight`` 0, on
-    idle workers b's copy delays no other request: the second goes to b (13 < a's 3 + 13), as
-    without a pool, and the four spread a, b, a, b (each worker computes the prompt once). With
-    one request decoding on b the duplicate term stands (b: 13 + 10 + 1 against a's 16, 19,
-    22): all four gather on a, which computes the prompt once for the cluster; so they do on
-    idle workers with the default weight 1 (b: 13 + 10 against 16, 19, 22)."""
+def test_four_requests_sharing_a_new_prefix_at_once():
+    """Four requests sharing a new system prompt at once on idle workers. By default the
+    second waits on b for a's copy in the pool (13 + 1.0 < a's 3 + 13), and the next ones
+    spread in turn (3 + 13 open on either), b's following the pages awaited there: a, b, a, b
+    with the prompt computed once. With ``idle_duplicate_weight`` 0 b's copy delays no other request and costs
+    less than the wait (13 < 14): the same spread, each worker computing the prompt. Without
+    waits, the duplicate term gathers all four on a, where the prompt is computed (b: 13 + 10
+    against 16, 19, 22), and with one request decoding on b even at idle weight 0 (b: 13 + 10
+    + 1)."""
     spread = CostWeights(evict_weight=0.0, idle_duplicate_weight=0.0)
 
-    def placed(b_busy: bool, weights: CostWeights = spread) -> list[str]:
+    def placed(b_busy: bool, weights: CostWeights = NO_EVICT, waits: bool = True
+               ) -> list[tuple[str, int]]:
         idx = PrefixIndex()
         a, b = _worker("a"), _worker("b")
         if b_busy:
             _decoding(b)
-        kv = Policy("kv", idx, weights)
+        kv = Policy("kv", idx, weights, pool_waits=waits)
         out = []
         for user in range(4):
             p = _request(user)
             c = kv.pick([a, b], p)
             c.worker.begin(Routed(p.pages(PS), p.prompt_pages(PS) - c.overlap.pages))
             idx.add_pending(c.worker.url, p.page_hashes("model-x", PS))
-            out.append(c.worker.url)
+            out.append((c.worker.url, c.awaits))
         return out
 
-    assert placed(b_busy=False) == ["a", "b", "a", "b"]
-    assert placed(b_busy=True) == ["a", "a", "a", "a"]
-    assert placed(b_busy=False, weights=NO_EVICT) == ["a", "a", "a", "a"]
+    assert placed(b_busy=False) == [("a", 0), ("b", 10), ("a", 0), ("b", 0)]
+    assert placed(b_busy=False, weights=spread) == [("a", 0), ("b", 0), ("a", 0), ("b", 0)]
+    assert placed(b_busy=False, waits=False) == [("a", 0)] * 4
+    assert placed(b_busy=True, weights=spread, waits=False) == [("a", 0)] * 4
 
 
 def test_pages_in_the_pool_are_hits_on_every_peer():

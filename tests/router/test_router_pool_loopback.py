@@ -1,14 +1,16 @@
 """Two real workers sharing a real Redis KV pool behind the router: their snapshots name the same
 pool, the pages one worker wrote there reach the router as that worker's L3 events, the router
-predicts them as hits on the other worker, and that worker does load them from the pool."""
+predicts them as hits on the other worker, and that worker does load them from the pool; two
+requests sharing a new prefix at once compute it once (one waits for it in the pool)."""
 
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from router_helpers import HTTP_TIMEOUT, settle
+from router_helpers import HTTP_TIMEOUT, settle, state
 from router_procs import PAGE, RouterThread, spawn_worker, wait_healthy
 from store_services import redis
 
@@ -74,3 +76,24 @@ def test_pages_one_worker_wrote_to_the_pool_are_predicted_and_loaded_on_the_othe
     details = usage["prompt_tokens_details"]
     assert details["cached_tokens"] == len(SYSTEM)
     assert details["cached_tokens_by_tier"] == {"disk": len(SYSTEM)}
+
+
+def test_two_requests_sharing_a_new_prefix_compute_it_once(pooled):
+    """Sent at once through the router: on idle workers the kv cost puts them on different
+    workers, and the second waits at the router until the first's worker wrote the shared pages
+    to the pool, then loads them there (a first that ends before the second is routed leaves
+    them in the pool as well). Either way the prefix is computed once, and no wait ran out."""
+    router, urls, _ = pooled
+    settle(router.url, urls)
+    system = list(range(250, 290))  # 10 pages no earlier request had
+    with ThreadPoolExecutor(2) as ex:
+        outs = list(ex.map(lambda u: _complete(router.url, system + list(range(u, u + 9))),
+                           (290, 300)))
+    hits = sorted(o["usage"]["prompt_tokens_details"]["cached_tokens"] for o in outs)
+    assert hits == [0, len(system)]
+    second = max(outs, key=lambda o: o["usage"]["prompt_tokens_details"]["cached_tokens"])
+    tiers = second["usage"]["prompt_tokens_details"]["cached_tokens_by_tier"]
+    if outs[0]["worker"] != outs[1]["worker"]:
+        assert tiers == {"disk": len(system)}  # loaded from the pool, not computed again
+    st = state(router.url)
+    assert sum(w["pool_wait_timeouts"] for w in st.values()) == 0

@@ -115,6 +115,11 @@ class TierBackend(ABC):
     def disk_key(self, page_hash: bytes) -> DiskKey:
         return disk_key(page_hash, self.codec_tag)
 
+    def writing(self, page_hashes: list[bytes]) -> bool:
+        """Whether an L3 write of some of these pages is still queued (any thread; the tree
+        records L3 when the write is queued). A backend that writes in place never is."""
+        return False
+
     # ---------------------------------------------------------------- L2 slots
     @abstractmethod
     def host_alloc(self, n: int) -> list[int] | None: ...

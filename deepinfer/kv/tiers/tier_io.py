@@ -353,6 +353,11 @@ class TierIO(TierBackend):
         if fut is not None:
             fut.result()  # written meanwhile (or failed: then the read misses)
 
+    def writing(self, page_hashes: list[bytes]) -> bool:
+        keys = [self.disk_key(h) for h in page_hashes]
+        with self._lock:
+            return any(k in self._disk_pending for k in keys)
+
     def wait_written(self, keys: list[str]) -> None:
         """Wait for the queued L3 writes of ``keys`` (any thread)."""
         for k in keys:
