@@ -28,9 +28,6 @@ class RouterConfig:
     # this many pages of open work beyond the least loaded one (``conversations.py``; negative:
     # never, the cost alone decides).
     stick_gap: float = 16.0
-    # The same for a conversation another worker could load from the shared pool (negative:
-    # such a conversation is not held; the cost alone decides).
-    pool_stick_gap: float = -1.0
     # Workers sharing one KV pool (--kv-store): each page the request would compute that a peer
     # holds or is computing, not yet in the pool, costs this more on a worker with open
     # requests, and idle_duplicate_weight more on one without (its copy delays no other
@@ -112,9 +109,6 @@ def add_router_args(p: argparse.ArgumentParser) -> None:
                    help="a conversation's next turn stays on the worker that holds it unless that "
                         "worker has more than this many pages of open work beyond the least "
                         "loaded one (then the kv cost decides; negative: no stickiness)")
-    p.add_argument("--pool-stick-gap", type=float, default=d.pool_stick_gap,
-                   help="the same for a conversation another worker sharing the KV pool could "
-                        "load from it (negative, the default: not held, the kv cost decides)")
     p.add_argument("--duplicate-weight", type=float, default=d.duplicate_weight,
                    help="workers sharing a KV pool (--kv-store): kv cost per page the request "
                         "would compute that another of them holds or is computing and has not "
@@ -159,7 +153,6 @@ def router_config(args: argparse.Namespace) -> RouterConfig:
                         decode_workers=args.decode_worker, policy=args.policy,
                         overlap_weight=args.overlap_weight, decode_weight=args.decode_weight,
                         evict_weight=args.evict_weight, stick_gap=args.stick_gap,
-                        pool_stick_gap=args.pool_stick_gap,
                         duplicate_weight=args.duplicate_weight,
                         idle_duplicate_weight=args.idle_duplicate_weight,
                         pool_weight=args.pool_weight, pool_wait_s=args.pool_wait,

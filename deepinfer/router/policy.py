@@ -41,11 +41,8 @@ below ``pool_weight``). So the first requests of a new shared prefix spread by l
 a pool, and each worker but the one computing it loads it. Without a
 shared pool each worker needs its own copy to serve the prefix at all, so that price is the
 plain prefill the cost above already counts: the cost is then exactly the one above. Nor does
-stickiness hold a conversation that another candidate can load from the pool, by default
-(``pool_stick_gap`` negative): a move there computes nothing again, and the copy it leaves
-behind is in the pool as well; with ``pool_stick_gap`` >= 0 such a conversation stays while its
-worker has at most that many pages of open work beyond the least loaded candidate (its device
-copy is a hit without the pool load).
+stickiness hold a conversation that another candidate can load from the pool: a move there
+computes nothing again, and the copy it leaves behind is in the pool as well.
 """
 
 from __future__ import annotations
@@ -89,7 +86,6 @@ class CostWeights:
     decode_weight: float = 1.0  # pages-worth of work per request decoding there
     evict_weight: float = 1.0  # per cached page the request would push out of the worker's L1
     stick_gap: float = 16.0  # pages of open work over the least loaded's that end stickiness
-    pool_stick_gap: float = -1.0  # the same where another candidate can load it from the pool
     duplicate_weight: float = 1.0  # per page it computes that a pool peer has (not yet pooled)
     idle_duplicate_weight: float = 1.0  # the same on a worker with no open request
     pool_weight: float = 0.1  # per page it loads from the shared pool (a prefilled page: 1)
@@ -189,13 +185,11 @@ class Policy:
         others = [w for w in workers if w is not home]
         if not others:
             return home
-        held = overlaps[home.url].pages
-        if held <= max(overlaps[w.url].pages for w in others):
-            return None  # its pages are gone (evicted): nothing to stay for
-        pooled = held <= max(overlaps[w.url].pages + overlaps[w.url].pooled for w in others)
-        limit = self.weights.pool_stick_gap if pooled else self.weights.stick_gap
+        if overlaps[home.url].pages <= max(overlaps[w.url].pages + overlaps[w.url].pooled
+                                           for w in others):
+            return None  # its pages are gone (evicted) or in the pool: nothing to stay for
         gap = busy(home.load, self.weights) - min(busy(w.load, self.weights) for w in others)
-        return home if 0 <= limit and gap <= limit else None
+        return home if gap <= self.weights.stick_gap else None
 
     def pick(self, workers: list[Worker], prompt: RoutedPrompt, use_cache: bool = True) -> Choice:
         """``workers``: the healthy candidates (not empty). ``use_cache`` False: by load only

@@ -7,8 +7,6 @@ one (exact expected workers and costs)."""
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from deepinfer.kv.hashing import chain_hashes, root_hash
 from deepinfer.router.conversations import Conversations
 from deepinfer.router.index import PrefixIndex
@@ -149,8 +147,7 @@ def test_pages_in_the_pool_are_hits_on_every_peer():
 def test_stickiness_does_not_hold_a_conversation_the_pool_serves_elsewhere():
     """Turn 1 (13 pages) went to a, which wrote all its pages to the pool; turn 2 adds 2 pages.
     a is busy (8 pages queued): b loads turn 1's 12 pages from the pool (1.2) and computes 3
-    (4.2 < a's 3 + 8 = 11), so the turn moves; without a pool, stickiness keeps it on a, and
-    with a pool too where --pool-stick-gap allows a's 8 pages of open work."""
+    (4.2 < a's 3 + 8 = 11), so the turn moves; without a pool, stickiness keeps it on a."""
     turn1 = SYSTEM + list(range(1000, 1009))
     turn2 = _prompt(turn1 + list(range(2000, 2008)))
     held = [h.hex() for h in chain_hashes(turn1[:48], PS, ROOT)]
@@ -166,11 +163,6 @@ def test_stickiness_does_not_hold_a_conversation_the_pool_serves_elsewhere():
         assert (c.worker.url, c.sticky) == (expect, sticky)
         if pool:
             assert c.costs == {"a": 11.0, "b": 4.2} and c.overlap.pooled == 12
-            # --pool-stick-gap 8: a's open work is 8 pages beyond b's, so the turn stays on a;
-            # at 7 it moves as above
-            for gap, home in ((8.0, "a"), (7.0, "b")):
-                kept = Policy("kv", idx, replace(NO_EVICT, pool_stick_gap=gap), conv).pick([a, b], turn2)
-                assert (kept.worker.url, kept.sticky) == (home, home == "a")
 
 
 def test_the_routers_options_reach_its_cost_weights():
