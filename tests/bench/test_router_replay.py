@@ -41,10 +41,12 @@ def test_replays_are_reproducible_and_order_the_policies_as_measured(monkeypatch
     def first_wave(records) -> set[str]:
         return {r.worker for r in records if r.turn[1] == 0 and r.turn[0] < 4}
 
-    # the duplicate term gathers a cold start's first wave on one worker (the default); without
-    # it on idle workers, the wave splits over both
-    assert first_wave(agent["kv/pool"]) == {"w0"}
-    assert first_wave(run("kv@idle-duplicate-weight=0/pool")) == {"w0", "w1"}
+    # by default a cold start's first wave splits over both workers, the second waiting for the
+    # pool to hold the prefix the first computes (one copy); without the wait the duplicate term
+    # gathers it on one worker, and without that term on idle workers it splits again (two copies)
+    assert first_wave(agent["kv/pool"]) == {"w0", "w1"}
+    assert first_wave(run("kv@pool-wait=0/pool")) == {"w0"}
+    assert first_wave(run("kv@pool-wait=0+idle-duplicate-weight=0/pool")) == {"w0", "w1"}
 
     chat = run("kv", "chat")
     homes: dict[int, set[str]] = {}
