@@ -26,7 +26,7 @@ from .small_row_linear import DTYPES, MAX_ROWS, SmallRowLinear
 
 DISABLE_ENV = "DEEPINFER_NO_PREPACK"
 # bfloat16 calls of fewer rows are the small-row kernel's (SmallRowLinear); above them oneDNN on
-# the packed weight beats F.linear at every row count (README "Execution"). float32 keeps
+# the packed weight beats F.linear at every row count (docs/figures/execution.md). float32 keeps
 # F.linear (MKL, what transformers runs: fp32 stays comparable to it) below prefill chunks.
 MIN_ROWS = MAX_ROWS + 1
 FP32_MIN_ROWS = 64

@@ -6,21 +6,21 @@ Candidates (``benchmarks/quant_kernels.py`` times them against fp32 ``F.linear``
   for the matmuls of decode (up to ``quant/linear.py``'s ``NATIVE_MAX_ROWS`` rows; prefill-sized
   calls de-quantize once and run ``F.linear``). It rounds each block of 32 activations to int16
   with its own scale and takes exact integer dots with the int8 / int4 codes: faster than
-  widening the codes to fp32, and as accurate at SmolLM2's argmax (README). Auto on CPU whenever
+  widening the codes to fp32, and as accurate at SmolLM2's argmax (docs/figures/execution.md). Auto on CPU whenever
   it builds, except where ``tinygemm`` is auto. The weights are repacked for it at load, 8 output
   rows per register (``quant/packed.py``). Its variants, opt-in:
 - ``native-int8``: activations rounded to int8 per block of 32 (GGUF's Q8 activations), then the
-  same integer loop; below the 99% argmax bar on SmolLM2 (README), so never auto.
+  same integer loop; below the 99% argmax bar on SmolLM2 (docs/figures/execution.md), so never auto.
 - ``native-float``: activations kept in fp32 (codes widened to fp32 in registers): its only
   error is the weights' own, so it is the exactness reference.
 - ``fbgemm``: ``torch.ops.quantized.linear_dynamic`` on int8 weights prepacked for the x86
   quantized engine. Faster than fp32 ``F.linear`` at every M measured, but it also quantizes
   its activations (uint8, one scale per call, 7-bit range against AVX2's 16-bit overflow), and the
-  outlier channels of LLM activations make that lossy (README: SmolLM2's teacher-forced
+  outlier channels of LLM activations make that lossy (docs/figures/execution.md: SmolLM2's teacher-forced
   argmax agreement with fp32 collapses). So it is opt-in (``--quantization-kernel fbgemm``), never auto.
 - ``tinygemm``: ``aten._weight_int4pack_mm_for_cpu``, group-wise int4 weights with bf16
   activations; auto on CPUs with AMX bf16 when the model runs in bf16 (not on AVX512-BF16 alone,
-  where ``native`` beat it: README). Where bf16 is
+  where ``native`` beat it: docs/figures/execution.md). Where bf16 is
   emulated (AVX2) it was slower than fp32; with fp32 activations (and likewise
   ``aten._weight_int8pack_mm``) many times slower, so never used that way.
 - ``dequant``: de-quantize the weight into the activation dtype at each call, then ``F.linear``.

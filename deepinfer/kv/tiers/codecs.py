@@ -154,7 +154,7 @@ class FP8CenteredCodec(Codec):
     mantissa errs relative to the value, so coding ``x - mean`` instead of ``x`` shrinks the error
     where it matters (attention scores move with q . k). The token farthest from the mean (an
     attention-sink token, typically) is kept exact: its few large deviations would otherwise
-    carry most of the page's error (its accuracy against ``fp8``: README, KV tiers;
+    carry most of the page's error (its accuracy against ``fp8``: docs/figures/tiers.md;
     ``tests/test_kv_codec_accuracy.py`` holds it to a bound).
 
     A row is one page of one buffer: ``tokens`` tokens of ``C = m / tokens`` channels. Layout:

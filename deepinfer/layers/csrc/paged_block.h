@@ -60,7 +60,7 @@ struct PagedHead {
   // head and the next `heads - 1` (side by side in the pool), so that they are in cache when the
   // kernel reads them. Plain independent loads: against a step's cold reads (the weights just
   // went through the caches) the prefetch instructions above gained nothing measurable on Zen 4,
-  // while these stream (README, "eleventh session").
+  // while these stream (docs/figures/execution.md, eleventh session).
   void touch(int64_t begin, int64_t end, int64_t heads) const {
     const int64_t k_bytes = ((heads - 1) * ks[2] + D) * static_cast<int64_t>(sizeof(T));
     const int64_t v_bytes = ((heads - 1) * vs[2] + Dv) * static_cast<int64_t>(sizeof(T));

@@ -11,7 +11,7 @@
 // is consumed by every row whose chunk covers it (all q heads of the GQA group) before the next
 // block, so the block stays in L1 and the context is read from memory once per item. Each row's
 // arithmetic (scores, exponentials, value FMAs) is still a decode's, and it dominates: a span
-// costs nearly R decodes of attention either way (README, "Measured figures").
+// costs nearly R decodes of attention either way (docs/figures/speculative.md).
 // Rows' blocks coincide without a window; with one, lo_r moves with hi_r and row r's block is
 // that of row 0 shifted by lo_r - lo_0 < R keys, so the block's rows span kBlock + R keys at most.
 

@@ -356,7 +356,7 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   const at::BFloat16* xp = gate_up.data_ptr<at::BFloat16>();
   at::BFloat16* op = out.data_ptr<at::BFloat16>();
   // tasks of at least ~64K values, as argmax_rows: waking a sleeping (passive) worker costs more
-  // than a batched decode's few rows (README, "Execution on the hardware at hand")
+  // than a batched decode's few rows (docs/figures/execution.md)
   at::parallel_for(0, T, std::max<int64_t>(1, 65536 / std::max<int64_t>(I, 1)), [&](int64_t lo, int64_t hi) {
     for (int64_t t = lo; t < hi; ++t) {
       const at::BFloat16 *g = xp + t * st, *u = g + I;

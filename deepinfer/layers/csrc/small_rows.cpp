@@ -42,7 +42,7 @@ constexpr int64_t kTileRows = 4;  // output rows per tile: their weights are rea
 constexpr int64_t kTileCols = 3;  // activation rows per tile: 4 x 3 accumulators fit the registers
 // bf16 tiles ask for the weight rows this far ahead while they read theirs: with the hardware
 // prefetcher alone the kernel streamed large layers (LM head, gate/up) from memory far slower
-// than oneDNN does its packed weights (README, "Execution")
+// than oneDNN does its packed weights (docs/figures/execution.md)
 constexpr int64_t kPrefetchRows = 16;
 
 float bf16_to_float(uint16_t v) {
