@@ -134,6 +134,7 @@ def one_case(model, codec: str, n: int, hit: float, work: Path, warm_hit: bool =
     row: dict = {"codec": codec, "prompt_tokens": n, "cached_tokens": len(base)}
     row["cold"], by = ttft(m, base + tails[0])  # nothing cached: fills L1 and L3
     assert sum(by.values()) == 0, by
+    m.engine.tiers.flush()  # the cold prompt's write-through to L2/L3 would run beside the L1 hit
     row["l1"], by = ttft(m, base + tails[1])
     assert by["device"] == len(base), by
     m.engine.kv.evict()  # L1 -> L2
