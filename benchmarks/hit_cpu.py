@@ -20,8 +20,7 @@ import os
 import threading
 import time
 
-import torch
-
+from core import random_prompts
 from deepinfer.llm import LLM
 from deepinfer.sampling_params import SamplingParams
 
@@ -63,16 +62,12 @@ def main() -> None:
     llm = LLM(args.model, progress=False, host_cache_gb=0, enable_disk_cache=False,
               max_num_batched_tokens=args.chunk)
     vocab = llm.engine.hf_config.vocab_size
-    g = torch.Generator().manual_seed(0)
-
-    def ids(n: int) -> list[int]:
-        return torch.randint(100, vocab, (n,), generator=g).tolist()
-
     tail = args.prompt - args.cached
-    measured(llm, ids(tail))  # first-call costs at the tail's shape
-    cached = ids(args.cached)
-    cold = measured(llm, cached + ids(tail))
-    hits = [measured(llm, cached + ids(tail)) for _ in range(args.tails)]
+    tails = random_prompts(args.tails + 2, tail, vocab, seed=1)
+    measured(llm, tails[0])  # first-call costs at the tail's shape
+    cached = random_prompts(1, args.cached, vocab, seed=0)[0]
+    cold = measured(llm, cached + tails[1])
+    hits = [measured(llm, cached + t) for t in tails[2:]]
     assert all(h["cached"] == args.cached for h in hits), hits
     hit = {k: sum(h[k] for h in hits) / len(hits) for k in ("wall", "main_cpu", "cpu", "main_only")}
     print(json.dumps({"cold": cold, "hit": hit, "load_average": os.getloadavg()}))
