@@ -2,7 +2,7 @@
 
 One loader thread per job (``loaders`` of them) walks the job in chain order. L2 slots are
 decoded into their pages. L3 pages are spread over the reader threads (``readers``), each taking
-the next ``READ_CHUNK`` pages, so the pages the prefill needs first land first. A lossless page
+the next ``chunk`` pages, so the pages the prefill needs first land first. A lossless page
 in host memory is read with one ``preadv`` straight into its L1 buffers and checked there: no
 intermediate copy. From a plain directory a reader's whole chunk is one native call without the
 GIL (``batch_reads.py``), elsewhere one ``PageStore.read_into`` per page. Other codecs, and CUDA,
@@ -44,6 +44,8 @@ class PageLoader:
     """Runs ``LoadJob``s for ``TierIO`` (which owns the stores, the codecs and the writers)."""
 
     READ_CHUNK = 8  # consecutive L3 pages one reader takes at a time (decoded together)
+    POOL_CHUNK = 32  # the same, read natively straight into the pool: no staging rows to bound,
+    # and each native call's fixed cost (its Python side, the buffers' conversion) counts 4x less
 
     def __init__(self, transfer: KVTransfer, host_codec: Codec, disk_codec: Codec,
                  host_page_nbytes: int, disk_page_nbytes: int, store: PageStore | None,
@@ -69,6 +71,8 @@ class PageLoader:
         self._pool_buffers = transfer.host_buffers() if self.direct_reads else None
         batches = page_size and (self._pool_buffers is not None or not self.direct_reads)
         self.batch = BatchReads.make(store, page_size, disk_page_nbytes) if batches else None
+        # consecutive L3 pages one reader takes at a time
+        self.chunk = self.POOL_CHUNK if self.batch and self._pool_buffers is not None else self.READ_CHUNK
         if not self.cuda:  # build or load the native decode now, not in a request's load
             native_decodes(disk_codec, self.dtype)
         self._staging: dict[int, torch.Tensor] = {}  # reader thread -> READ_CHUNK encoded pages
@@ -179,7 +183,7 @@ class PageLoader:
     def _load_disk(self, keys: list[str], ids: list[PageId | None], dest: list[int],
                    job: LoadJob) -> list[str]:
         """Read L3 pages into ``dest`` on up to ``num_readers`` reader threads, each taking the
-        next ``READ_CHUNK`` pages in chain order; the first miss stops the pages after it.
+        next ``chunk`` pages in chain order; the first miss stops the pages after it.
         -> per leading page in place: where it came from (``page_store.py``'s origins)."""
         done: dict[int, tuple[list[str], int]] = {}  # chunk start -> (pages in place, length)
         nxt, stop = [0], [len(keys)]
@@ -191,7 +195,7 @@ class PageLoader:
                     i = nxt[0]
                     if i >= stop[0] or job.cancelled:
                         return
-                    nxt[0] = j = min(i + self.READ_CHUNK, stop[0])
+                    nxt[0] = j = min(i + self.chunk, stop[0])
                 ok = self._read_pages(keys[i:j], ids[i:j], dest[i:j])
                 done[i] = (ok, j - i)
                 if len(ok) < j - i:
