@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import mmap
-import os
-
 import pytest
 import torch
 
@@ -46,46 +43,16 @@ def into(reads, keys, ids):
     return dst, n
 
 
-def drop_cached(tmp_path) -> bool:
-    """Evict the store's files from the page cache, so the native call reads them with O_DIRECT.
-    -> whether this filesystem does direct reads (if not, the buffered read is what is tested)."""
-    files = sorted(tmp_path.rglob("*.kv"))
-    for f in files:
-        fd = os.open(f, os.O_RDONLY)
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        os.close(fd)
-    try:
-        fd = os.open(files[0], os.O_RDONLY | os.O_DIRECT)
-    except OSError:
-        return False
-    try:
-        return os.preadv(fd, [mmap.mmap(-1, 1 << 20)], 0) > 0
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
-
-
-def direct_reads() -> int:
-    return torch.ops.deepinfer_kv_reads.direct_reads()
-
-
 def same_pages(a, b, n):
     for x, y in zip(a.owned_buffers(), b.owned_buffers()):
         assert torch.equal(x[1 : n + 1], y[1 : n + 1])
 
 
-@pytest.mark.parametrize("cold", [False, True])
-def test_a_batch_lands_the_very_bytes_natively_and_counts_its_hits(tmp_path, cold):
+def test_a_batch_lands_the_very_bytes_natively_and_counts_its_hits(tmp_path):
     src, store, keys, ids, reads = written(tmp_path)
     store.read_into = None  # the per-page path is not taken: every page is the native call's
-    direct = cold and drop_cached(tmp_path)
-    before = direct_reads()
     dst, n = into(reads, keys, ids)
     assert n == N
-    # cold files are DMA'd (eviction is best effort: most of them, at least), cached ones not
-    assert direct_reads() - before >= N // 2 if direct else direct_reads() == before
     same_pages(src, dst, N)
     s = store.stats()
     assert s["hits"] == N and s["misses"] == 0 and s["bytes_read"] == N * reads.payload_len
@@ -93,8 +60,7 @@ def test_a_batch_lands_the_very_bytes_natively_and_counts_its_hits(tmp_path, col
 
 @pytest.mark.parametrize("damage", ["payload bit", "header bit", "tag bit", "truncated", "missing",
                                     "another page"])
-@pytest.mark.parametrize("cold", [False, True])
-def test_a_bad_page_ends_the_batch_as_a_counted_miss(tmp_path, damage, cold):
+def test_a_bad_page_ends_the_batch_as_a_counted_miss(tmp_path, damage):
     src, store, keys, ids, reads = written(tmp_path)
     bad = 5
     f = tmp_path / keys[bad][:2] / f"{keys[bad]}.kv"
@@ -108,12 +74,8 @@ def test_a_bad_page_ends_the_batch_as_a_counted_miss(tmp_path, damage, cold):
     else:
         data[{"payload bit": len(data) // 2, "header bit": 40, "tag bit": len(data) - 1}[damage]] ^= 4
         f.write_bytes(bytes(data))
-    direct = cold and drop_cached(tmp_path)
-    before = direct_reads()
     dst, n = into(reads, keys, ids)
     assert n == bad
-    if direct:  # through O_DIRECT (the files whose pages left the cache; best effort)
-        assert direct_reads() > before
     same_pages(src, dst, bad)
     s = store.stats()
     assert s["hits"] == bad and s["misses"] == 1
@@ -124,12 +86,8 @@ def test_a_bad_page_ends_the_batch_as_a_counted_miss(tmp_path, damage, cold):
         assert s[counter] == 1 and not f.exists()  # quarantined: the page is written again
 
 
-@pytest.mark.parametrize("cold", [False, True])
-def test_pages_whose_header_it_cannot_predict_take_the_precise_path(tmp_path, cold):
-    """(Old files too: a header of another length or content is read by the per-page path.)"""
+def test_pages_whose_header_it_cannot_predict_take_the_precise_path(tmp_path):
     src, store, keys, ids, reads = written(tmp_path, tokens=False)
-    if cold:
-        drop_cached(tmp_path)
     # token digests asked for, none in the files (accepted by the binding rules), and an
     # unchecked page: neither header is the one the native call expects
     ids = [page_id(p.page_hash, list(range(PS))) for p in ids]

@@ -3,12 +3,7 @@
 // header + payload (scattered into one page of every buffer) + tag + one byte past the end (must
 // stay unread), the header compared byte for byte with the one the caller expects, XXH3-128 over
 // header and payload while the page is still in the CPU cache, the tag compared, mtime set (the
-// LRU recency) where asked. A file whose first byte is not in the page cache (``RWF_NOWAIT``) is
-// read with ``O_DIRECT`` instead, whole, into an aligned per-thread buffer, then hashed and copied
-// piece by piece to its page: the device's DMA replaces the page-cache fill and the kernel's copy,
-// about half the CPU of a cold load (docs/figures/tiers.md), and a cold load leaves the page cache
-// as it was. A filesystem without direct I/O (or another alignment) gets the buffered read.
-// The first file that fails any step ends the call: the caller takes the
+// LRU recency) where asked. The first file that fails any step ends the call: the caller takes the
 // leading run and sends the failed file down its precise (Python) path, which counts and
 // quarantines. ``LayerReads`` reads the same files a layer group at a time. XXH3 is the xxHash
 // library the Python ``xxhash`` package loads; ``bind_xxh3`` resolves its symbols once (no second
@@ -25,9 +20,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <atomic>
-#include <cerrno>
-#include <cstdlib>
 #include <climits>
 #include <cstdint>
 #include <cstring>
@@ -86,96 +78,30 @@ Slices buffer_slices(const std::vector<at::Tensor>& buffers) {
   return s;
 }
 
-// Whether the file's first byte is in the page cache (a read that would not wait on the device).
-// Filesystems that cannot tell say EOPNOTSUPP: taken as cached (the buffered read, as before).
-bool first_byte_cached(int fd) {
-  uint8_t b;
-  iovec v{&b, 1};
-  return preadv2(fd, &v, 1, 0, RWF_NOWAIT) >= 0 || errno != EAGAIN;
-}
-
-// Direct reads land in an aligned per-thread buffer (the reader threads live as long as the
-// loader), never in the pool: its buffers are torch allocations without the device's alignment.
-constexpr size_t kDirectAlign = 4096;  // offset, length and address alignment of every direct read
-
-struct Staging {
-  uint8_t* data = nullptr;
-  size_t size = 0;
-  ~Staging() { std::free(data); }
-  uint8_t* get(size_t n) {
-    if (n > size) {
-      std::free(data);
-      data = nullptr;
-      size = 0;
-      void* p = nullptr;
-      if (posix_memalign(&p, kDirectAlign, n) != 0) return nullptr;
-      data = static_cast<uint8_t*>(p);
-      size = n;
-    }
-    return data;
-  }
-};
-thread_local Staging t_staging;
-std::atomic<int64_t> g_direct_reads{0};
-
-enum class Direct { kDone, kBad, kUnsupported };
-
-// The whole file with O_DIRECT (DMA into the staging buffer: no page-cache fill, no kernel copy),
-// then per piece: hashed, copied to its page. ``want``: the file's expected size.
-Direct read_direct(int fd, const uint8_t* head, size_t hlen, const Slices& s, int64_t page, size_t want,
-                   void* state) {
-  const int flags = fcntl(fd, F_GETFL);
-  if (flags < 0 || fcntl(fd, F_SETFL, flags | O_DIRECT) != 0) return Direct::kUnsupported;
-  const size_t len = (want + 1 + kDirectAlign - 1) / kDirectAlign * kDirectAlign;  // one byte past the end
-  uint8_t* buf = t_staging.get(len);
-  const ssize_t got = buf == nullptr ? -1 : pread(fd, buf, len, 0);
-  if (got < 0 && (buf == nullptr || errno == EINVAL)) {  // the device wants another alignment
-    fcntl(fd, F_SETFL, flags);
-    return Direct::kUnsupported;
-  }
-  if (got != static_cast<ssize_t>(want) || std::memcmp(buf, head, hlen) != 0) return Direct::kBad;
-  g_xxh3.reset(state);
-  g_xxh3.update(state, buf, hlen);
-  const uint8_t* at = buf + hlen;
-  for (size_t j = 0; j < s.base.size(); ++j) {  // hashed while in the CPU cache, then copied
-    g_xxh3.update(state, at, s.nbytes[j]);
-    std::memcpy(s.base[j] + page * s.nbytes[j], at, s.nbytes[j]);
-    at += s.nbytes[j];
-  }
-  uint8_t digest[16];
-  canonical(g_xxh3.digest(state), digest);
-  g_direct_reads.fetch_add(1, std::memory_order_relaxed);
-  return std::memcmp(digest, at, sizeof(digest)) == 0 ? Direct::kDone : Direct::kBad;
-}
-
 // One file into page ``page`` of the buffers; true if it read whole, and header and tag match.
-// A file not in the page cache is read directly (``read_direct``) where the filesystem can.
 bool read_one(const char* path, const uint8_t* head, size_t hlen, const Slices& s, int64_t page,
               bool touch, void* state, std::vector<uint8_t>& got_head, std::vector<iovec>& iov) {
   const int fd = open(path, O_RDONLY | O_CLOEXEC);
   if (fd < 0) return false;
+  got_head.resize(hlen);
   uint8_t tag[16], past[1];
+  iov.clear();
+  iov.push_back({got_head.data(), hlen});
   size_t want = hlen + sizeof(tag);
-  for (size_t j = 0; j < s.base.size(); ++j) want += s.nbytes[j];
-  Direct direct = Direct::kUnsupported;
-  if (!first_byte_cached(fd)) direct = read_direct(fd, head, hlen, s, page, want, state);
-  bool ok = direct == Direct::kDone;
-  if (direct == Direct::kUnsupported) {
-    got_head.resize(hlen);
-    iov.clear();
-    iov.push_back({got_head.data(), hlen});
-    for (size_t j = 0; j < s.base.size(); ++j) iov.push_back({s.base[j] + page * s.nbytes[j], s.nbytes[j]});
-    iov.push_back({tag, sizeof(tag)});
-    iov.push_back({past, sizeof(past)});
-    ok = preadv(fd, iov.data(), static_cast<int>(iov.size()), 0) == static_cast<ssize_t>(want) &&
-         std::memcmp(got_head.data(), head, hlen) == 0;
-    if (ok) {
-      g_xxh3.reset(state);
-      for (size_t k = 0; k + 2 < iov.size(); ++k) g_xxh3.update(state, iov[k].iov_base, iov[k].iov_len);
-      uint8_t digest[16];
-      canonical(g_xxh3.digest(state), digest);
-      ok = std::memcmp(digest, tag, sizeof(tag)) == 0;
-    }
+  for (size_t j = 0; j < s.base.size(); ++j) {
+    iov.push_back({s.base[j] + page * s.nbytes[j], s.nbytes[j]});
+    want += s.nbytes[j];
+  }
+  iov.push_back({tag, sizeof(tag)});
+  iov.push_back({past, sizeof(past)});
+  bool ok = preadv(fd, iov.data(), static_cast<int>(iov.size()), 0) == static_cast<ssize_t>(want) &&
+            std::memcmp(got_head.data(), head, hlen) == 0;
+  if (ok) {
+    g_xxh3.reset(state);
+    for (size_t k = 0; k + 2 < iov.size(); ++k) g_xxh3.update(state, iov[k].iov_base, iov[k].iov_len);
+    uint8_t digest[16];
+    canonical(g_xxh3.digest(state), digest);
+    ok = std::memcmp(digest, tag, sizeof(tag)) == 0;
   }
   if (ok && touch) futimens(fd, nullptr);  // best effort, as DiskStore._touch
   close(fd);
@@ -346,7 +272,6 @@ TORCH_LIBRARY(deepinfer_kv_reads, m) {
   m.def("read_pages(str[] paths, Tensor heads, Tensor offsets, Tensor(a!)[] buffers, Tensor pages, "
         "bool touch) -> int", &read_pages);
   m.def("isa() -> str", [] { return std::string("scalar"); });
-  m.def("direct_reads() -> int", [] { return g_direct_reads.load(); });
   m.class_<LayerReads>("LayerReads")
       .def(torch::init<std::vector<std::string>, at::Tensor, at::Tensor, int64_t, int64_t>())
       .def("opened", &LayerReads::opened)
