@@ -105,7 +105,6 @@ def one_codec(codec: str, n: int, rounds: int, readers: int, work: Path,
     torch_loader = tier_io(dst_torch, disk, codec, readers, native=False)
     py_loader = tier_io(dst, disk, codec, readers)
     py_loader.loader.batch = None  # the per-page path, for the comparison
-    py_loader.loader.chunk = py_loader.loader.READ_CHUNK  # (as it takes without the native reads)
 
     def raw() -> None:
         for p in files:

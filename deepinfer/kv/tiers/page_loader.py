@@ -44,8 +44,7 @@ class PageLoader:
     """Runs ``LoadJob``s for ``TierIO`` (which owns the stores, the codecs and the writers)."""
 
     READ_CHUNK = 8  # consecutive L3 pages one reader takes at a time (decoded together)
-    POOL_CHUNK = 32  # the same, read natively straight into the pool: no staging rows to bound,
-    # and each native call's fixed cost (its Python side, the buffers' conversion) counts 4x less
+    POOL_CHUNK = 32  # at most, where chunks are read natively straight into the pool (``chunk``)
 
     def __init__(self, transfer: KVTransfer, host_codec: Codec, disk_codec: Codec,
                  host_page_nbytes: int, disk_page_nbytes: int, store: PageStore | None,
@@ -71,8 +70,6 @@ class PageLoader:
         self._pool_buffers = transfer.host_buffers() if self.direct_reads else None
         batches = page_size and (self._pool_buffers is not None or not self.direct_reads)
         self.batch = BatchReads.make(store, page_size, disk_page_nbytes) if batches else None
-        # consecutive L3 pages one reader takes at a time
-        self.chunk = self.POOL_CHUNK if self.batch and self._pool_buffers is not None else self.READ_CHUNK
         if not self.cuda:  # build or load the native decode now, not in a request's load
             native_decodes(disk_codec, self.dtype)
         self._staging: dict[int, torch.Tensor] = {}  # reader thread -> READ_CHUNK encoded pages
@@ -186,6 +183,7 @@ class PageLoader:
         next ``chunk`` pages in chain order; the first miss stops the pages after it.
         -> per leading page in place: where it came from (``page_store.py``'s origins)."""
         done: dict[int, tuple[list[str], int]] = {}  # chunk start -> (pages in place, length)
+        step = self.chunk(len(keys))
         nxt, stop = [0], [len(keys)]
         lock = threading.Lock()
 
@@ -195,7 +193,7 @@ class PageLoader:
                     i = nxt[0]
                     if i >= stop[0] or job.cancelled:
                         return
-                    nxt[0] = j = min(i + self.chunk, stop[0])
+                    nxt[0] = j = min(i + step, stop[0])
                 ok = self._read_pages(keys[i:j], ids[i:j], dest[i:j])
                 done[i] = (ok, j - i)
                 if len(ok) < j - i:
@@ -211,6 +209,15 @@ class PageLoader:
             if len(ok) < length:
                 break
         return out
+
+    def chunk(self, n: int) -> int:
+        """Consecutive pages a reader takes at a time from a run of ``n``: ``READ_CHUNK``, or
+        where chunks are read natively into the pool (no staging rows to bound) more, up to
+        ``POOL_CHUNK`` while every reader still gets one: each native call has a fixed cost (its
+        Python side, the buffers' conversion), a tenth of a load's CPU at 8 pages a call."""
+        if self.batch is None or self._pool_buffers is None:
+            return self.READ_CHUNK
+        return max(self.READ_CHUNK, min(self.POOL_CHUNK, -(-n // self.num_readers)))
 
     def _read_pages(self, keys: list[str], ids: list[PageId | None], dest: list[int]
                     ) -> list[str]:
