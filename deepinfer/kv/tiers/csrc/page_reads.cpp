@@ -3,7 +3,7 @@
 // header + payload (scattered into one page of every buffer) + tag + one byte past the end (must
 // stay unread), the header compared byte for byte with the one the caller expects, XXH3-128 over
 // header and payload while the page is still in the CPU cache, the tag compared, mtime set (the
-// LRU recency) where asked. The first file that fails any step ends the call: the caller takes the
+// LRU recency) where asked and a minute old. The first file that fails any step ends the call: the caller takes the
 // leading run and sends the failed file down its precise (Python) path, which counts and
 // quarantines. ``LayerReads`` reads the same files a layer group at a time. XXH3 is the xxHash
 // library the Python ``xxhash`` package loads; ``bind_xxh3`` resolves its symbols once (no second
@@ -23,6 +23,7 @@
 #include <climits>
 #include <cstdint>
 #include <cstring>
+#include <ctime>
 #include <string>
 #include <vector>
 
@@ -78,9 +79,19 @@ Slices buffer_slices(const std::vector<at::Tensor>& buffers) {
   return s;
 }
 
+// mtime = now (the LRU recency DiskStore reads back after a restart; best effort, as its _touch),
+// unless it is already less than kTouchEvery seconds old: a file read again and again (a hot
+// prefix) then costs an fstat, not an inode update and its journal write per load.
+constexpr time_t kTouchEvery = 60;
+
+void touch(int fd) {
+  struct stat st;
+  if (fstat(fd, &st) != 0 || time(nullptr) - st.st_mtime >= kTouchEvery) futimens(fd, nullptr);
+}
+
 // One file into page ``page`` of the buffers; true if it read whole, and header and tag match.
 bool read_one(const char* path, const uint8_t* head, size_t hlen, const Slices& s, int64_t page,
-              bool touch, void* state, std::vector<uint8_t>& got_head, std::vector<iovec>& iov) {
+              bool touch_it, void* state, std::vector<uint8_t>& got_head, std::vector<iovec>& iov) {
   const int fd = open(path, O_RDONLY | O_CLOEXEC);
   if (fd < 0) return false;
   got_head.resize(hlen);
@@ -103,7 +114,7 @@ bool read_one(const char* path, const uint8_t* head, size_t hlen, const Slices& 
     canonical(g_xxh3.digest(state), digest);
     ok = std::memcmp(digest, tag, sizeof(tag)) == 0;
   }
-  if (ok && touch) futimens(fd, nullptr);  // best effort, as DiskStore._touch
+  if (ok && touch_it) touch(fd);
   close(fd);
   return ok;
 }
@@ -237,7 +248,7 @@ struct LayerReads : torch::CustomClassHolder {
   // Tags of the live files checked (each file must end right after its tag), mtimes set where
   // ``touch``, every file closed. -> the leading files read whole and intact (0 if the payloads
   // were not all read).
-  int64_t finish(bool touch) {
+  int64_t finish(bool touch_it) {
     if (consumed != payload_len) live = 0;
     for (int64_t i = 0; i < live; ++i) {
       uint8_t tag[16], past[1], digest[16];
@@ -249,7 +260,7 @@ struct LayerReads : torch::CustomClassHolder {
         live = i;
         break;
       }
-      if (touch) futimens(fds[i], nullptr);
+      if (touch_it) touch(fds[i]);
     }
     release();
     return live;
