@@ -161,8 +161,9 @@ int64_t read_pages(std::vector<std::string> paths, at::Tensor heads, at::Tensor 
 // not read further. From a cold disk, a blocking read per file would leave the device one request
 // at a time per reader (the forward waited on it for layer 0): every file's header and first piece
 // (``first`` bytes) are asked for at once (``POSIX_FADV_WILLNEED``) before the headers are read,
-// and every kAhead-th read asks for the next kAhead pieces of every file, layer order (the
-// kernel's own readahead, of each file in turn, does not start on pages a hint brought in).
+// and a read that reaches the end of what was asked for asks for the next kAhead pieces of its
+// size of every file, layer order (the kernel's own readahead, of each file in turn, does not
+// start on pages a hint brought in). Pieces may differ in size (layer_stream.py's _pieces).
 constexpr int64_t kAhead = 4;  // pieces asked for per hint
 
 struct LayerReads : torch::CustomClassHolder {
@@ -170,6 +171,7 @@ struct LayerReads : torch::CustomClassHolder {
   std::vector<void*> states;
   std::vector<size_t> hlens;
   int64_t payload_len = 0, consumed = 0, live = 0;
+  int64_t hinted = 0;  // payload bytes asked for so far
 
   LayerReads(std::vector<std::string> paths, at::Tensor heads, at::Tensor offsets, int64_t payload, int64_t first) {
     TORCH_CHECK(g_xxh3.create != nullptr, "bind_xxh3 first");
@@ -180,6 +182,7 @@ struct LayerReads : torch::CustomClassHolder {
     const int64_t* off = oc.data_ptr<int64_t>();
     const uint8_t* h = heads.data_ptr<uint8_t>();
     payload_len = payload;
+    hinted = first;
     std::vector<int> opened;
     for (int64_t i = 0; i < n; ++i) {
       const int fd = open(paths[i].c_str(), O_RDONLY | O_CLOEXEC);
@@ -225,11 +228,13 @@ struct LayerReads : torch::CustomClassHolder {
       width += s.nbytes[j];
     }
     TORCH_CHECK(consumed + static_cast<int64_t>(width) <= payload_len, "reads past the payload");
-    if (width > 0 && consumed % (kAhead * static_cast<int64_t>(width)) == 0) {  // every kAhead-th read
-      const int64_t at = consumed + static_cast<int64_t>(width);
-      const int64_t len = std::min<int64_t>(kAhead * static_cast<int64_t>(width), payload_len - at);
+    const int64_t end = consumed + static_cast<int64_t>(width);
+    if (width > 0 && end >= hinted) {  // the next piece not asked for yet: the next kAhead of this size
+      const int64_t at = std::max(hinted, end);
+      const int64_t len = std::min<int64_t>(end + kAhead * static_cast<int64_t>(width), payload_len) - at;
       for (int64_t i = 0; len > 0 && i < live; ++i)
         posix_fadvise(fds[i], static_cast<off_t>(hlens[i] + at), static_cast<off_t>(len), POSIX_FADV_WILLNEED);
+      hinted = at + std::max<int64_t>(len, 0);
     }
     std::vector<iovec> iov(s.base.size());
     for (int64_t i = 0; i < live; ++i) {
