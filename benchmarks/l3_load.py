@@ -1,7 +1,8 @@
 """L3 -> L1 load throughput next to a plain read of the same files (issue 17); no model needed.
 
-A SmolLM2-135M-shaped pool (30 layers, 3 KV heads x 64, page 16, fp32: 738 KB page files) and
-``--pages`` page files written through ``TierIO``. Per round, alternating, with the files in the
+A SmolLM2-135M-shaped pool (30 layers, 3 KV heads x 64, page 16, fp32: 738 KB page files;
+``--dtype bfloat16``, the TTFT runs' pool: 369 KB) and ``--pages`` page files written through
+``TierIO``. Per round, alternating, with the files in the
 page cache and then dropped from it (``posix_fadvise``): ``raw``, a plain read loop over the
 files; ``copy``, open + one ``preadv`` per file into its L1 page (the floor of a load that lands
 in place, no check); ``copy+tag``, the same plus XXH3-128 over each page right after it landed
@@ -20,7 +21,7 @@ buffer that stays in the CPU cache, ``raw-distinct`` the same files into distinc
 beforehand (the bound for a load, which writes 384 MB of distinct, already touched L1 memory).
 
     python benchmarks/l3_load.py [--pages 520] [--codecs lossless,fp8,fp4] [--rounds 3]
-        [--readers 4]
+        [--readers 4] [--dtype bfloat16]
 """
 
 from __future__ import annotations
