@@ -1,7 +1,8 @@
 """L3 -> L1 load throughput next to a plain read of the same files (issue 17); no model needed.
 
-A SmolLM2-135M-shaped pool (30 layers, 3 KV heads x 64, page 16, fp32: 738 KB page files) and
-``--pages`` page files written through ``TierIO``. Per round, alternating, with the files in the
+A SmolLM2-135M-shaped pool (30 layers, 3 KV heads x 64, page 16, fp32: 738 KB page files;
+``--dtype bfloat16``, the TTFT runs' pool: 369 KB) and ``--pages`` page files written through
+``TierIO``. Per round, alternating, with the files in the
 page cache and then dropped from it (``posix_fadvise``): ``raw``, a plain read loop over the
 files; ``copy``, open + one ``preadv`` per file into its L1 page (the floor of a load that lands
 in place, no check); ``copy+tag``, the same plus XXH3-128 over each page right after it landed
@@ -20,7 +21,7 @@ buffer that stays in the CPU cache, ``raw-distinct`` the same files into distinc
 beforehand (the bound for a load, which writes 384 MB of distinct, already touched L1 memory).
 
     python benchmarks/l3_load.py [--pages 520] [--codecs lossless,fp8,fp4] [--rounds 3]
-        [--readers 4]
+        [--readers 4] [--dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -77,8 +78,9 @@ def seconds(fn: Callable[[], None]) -> tuple[float, float, int]:
     return t1 - t0, r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime, r1.ru_minflt - r0.ru_minflt
 
 
-def one_codec(codec: str, n: int, rounds: int, readers: int, work: Path) -> dict[str, dict]:
-    src = PagePool(SPECS, n + 1, PAGE, torch.float32, torch.device("cpu"))
+def one_codec(codec: str, n: int, rounds: int, readers: int, work: Path,
+              dtype: torch.dtype = torch.float32) -> dict[str, dict]:
+    src = PagePool(SPECS, n + 1, PAGE, dtype, torch.device("cpu"))
     for b in src.owned_buffers():
         b.copy_(torch.randn(b.shape))
     disk = str(work / codec)
@@ -92,12 +94,12 @@ def one_codec(codec: str, n: int, rounds: int, readers: int, work: Path) -> dict
     store = DiskStore(disk, 1 << 40, writer.namespace)
     files = [store.file_path(k) for k in keys]
     nbytes = sum(os.path.getsize(f) for f in files)
-    dst = PagePool(SPECS, n + 1, PAGE, torch.float32, torch.device("cpu"))
+    dst = PagePool(SPECS, n + 1, PAGE, dtype, torch.device("cpu"))
     for b in dst.owned_buffers():
         b.fill_(1.0)  # touched: no page faults in the first round
     tr = PoolTransfer(dst)
     loader = tier_io(dst, disk, codec, readers)
-    dst_torch = PagePool(SPECS, n + 1, PAGE, torch.float32, torch.device("cpu"))
+    dst_torch = PagePool(SPECS, n + 1, PAGE, dtype, torch.device("cpu"))
     if codec != "lossless":
         for b in dst_torch.owned_buffers():
             b.fill_(1.0)
@@ -210,12 +212,13 @@ def main() -> None:
     ap.add_argument("--codecs", default="lossless,fp8,fp4")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--readers", type=int, default=4)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])  # bf16: the TTFT runs' pool
     args = ap.parse_args()
     print(f"CPU: {lscpu_model()} ({os.cpu_count()} CPUs); {args.pages} SmolLM2 page files, "
-          f"{args.readers} readers, best of {args.rounds} alternating rounds", flush=True)
+          f"{args.dtype}, {args.readers} readers, best of {args.rounds} alternating rounds", flush=True)
     with tempfile.TemporaryDirectory(prefix="deepinfer-l3load-") as tmp:
         for codec in args.codecs.split(","):
-            res = one_codec(codec, args.pages, args.rounds, args.readers, Path(tmp))
+            res = one_codec(codec, args.pages, args.rounds, args.readers, Path(tmp), getattr(torch, args.dtype))
             for state, r in res.items():
                 cells = "  ".join(f"{k} {s:.3f} s ({r['vs_raw'][k]:.2f}x, cpu {r['cpu_seconds'][k]:.3f} s, "
                                   f"{r['minflt'][k]} faults)"

@@ -98,17 +98,20 @@ class PageFormat:
         self.secret = secret or None
         self.tag_alg = KEYED if self.secret else XXH3
         self._head_hint = 0  # header length of the last file ``read_into`` read in two steps
+        self._head_start = '{"namespace":' + json.dumps(namespace) + ',"key":'  # (``head``)
+        self._head_end = ',"tag_alg":' + json.dumps(self.tag_alg) + "}"
 
     def head(self, key: str, payload_len: int, token_count: int, page: PageId | None) -> bytes:
-        """Everything before the payload (written separately: no copy of a large page)."""
-        header = json.dumps(
-            {"namespace": self.namespace, "key": key, "token_count": int(token_count),
-             "payload_len": payload_len,
-             "page": page.page_hash.hex() if page else None,
-             "tokens": page.tokens_digest.hex() if page and page.tokens_digest else None,
-             "tag_alg": self.tag_alg},
-            separators=(",", ":"),
-        ).encode()  # fmt: skip
+        """Everything before the payload (written separately: no copy of a large page). The
+        JSON of ``json.dumps(..., separators=(",", ":"))``, put together from the parts that
+        vary: a load builds the header of every page it reads (``batch_reads.py``), and
+        encoding the namespace each time was most of that."""
+        tokens = page.tokens_digest if page else None
+        header = "".join((
+            self._head_start, json.dumps(key), ',"token_count":', str(int(token_count)),
+            ',"payload_len":', str(int(payload_len)),
+            ',"page":', f'"{page.page_hash.hex()}"' if page else "null",
+            ',"tokens":', f'"{tokens.hex()}"' if tokens else "null", self._head_end)).encode()
         return PREFIX.pack(MAGIC, FORMAT_VERSION, len(header)) + header
 
     def tag(self, *parts: bytes | memoryview, alg: str | None = None) -> bytes:

@@ -2,7 +2,7 @@
 
 One loader thread per job (``loaders`` of them) walks the job in chain order. L2 slots are
 decoded into their pages. L3 pages are spread over the reader threads (``readers``), each taking
-the next ``READ_CHUNK`` pages, so the pages the prefill needs first land first. A lossless page
+the next ``chunk`` pages, so the pages the prefill needs first land first. A lossless page
 in host memory is read with one ``preadv`` straight into its L1 buffers and checked there: no
 intermediate copy. From a plain directory a reader's whole chunk is one native call without the
 GIL (``batch_reads.py``), elsewhere one ``PageStore.read_into`` per page. Other codecs, and CUDA,
@@ -44,6 +44,7 @@ class PageLoader:
     """Runs ``LoadJob``s for ``TierIO`` (which owns the stores, the codecs and the writers)."""
 
     READ_CHUNK = 8  # consecutive L3 pages one reader takes at a time (decoded together)
+    POOL_CHUNK = 32  # at most, where chunks are read natively straight into the pool (``chunk``)
 
     def __init__(self, transfer: KVTransfer, host_codec: Codec, disk_codec: Codec,
                  host_page_nbytes: int, disk_page_nbytes: int, store: PageStore | None,
@@ -179,9 +180,10 @@ class PageLoader:
     def _load_disk(self, keys: list[str], ids: list[PageId | None], dest: list[int],
                    job: LoadJob) -> list[str]:
         """Read L3 pages into ``dest`` on up to ``num_readers`` reader threads, each taking the
-        next ``READ_CHUNK`` pages in chain order; the first miss stops the pages after it.
+        next ``chunk`` pages in chain order; the first miss stops the pages after it.
         -> per leading page in place: where it came from (``page_store.py``'s origins)."""
         done: dict[int, tuple[list[str], int]] = {}  # chunk start -> (pages in place, length)
+        step = self.chunk(len(keys))
         nxt, stop = [0], [len(keys)]
         lock = threading.Lock()
 
@@ -191,7 +193,7 @@ class PageLoader:
                     i = nxt[0]
                     if i >= stop[0] or job.cancelled:
                         return
-                    nxt[0] = j = min(i + self.READ_CHUNK, stop[0])
+                    nxt[0] = j = min(i + step, stop[0])
                 ok = self._read_pages(keys[i:j], ids[i:j], dest[i:j])
                 done[i] = (ok, j - i)
                 if len(ok) < j - i:
@@ -207,6 +209,15 @@ class PageLoader:
             if len(ok) < length:
                 break
         return out
+
+    def chunk(self, n: int) -> int:
+        """Consecutive pages a reader takes at a time from a run of ``n``: ``READ_CHUNK``, or
+        where chunks are read natively into the pool (no staging rows to bound) more, up to
+        ``POOL_CHUNK`` while every reader still gets one: each native call has a fixed cost (its
+        Python side, the buffers' conversion), a tenth of a load's CPU at 8 pages a call."""
+        if self.batch is None or self._pool_buffers is None:
+            return self.READ_CHUNK
+        return max(self.READ_CHUNK, min(self.POOL_CHUNK, -(-n // self.num_readers)))
 
     def _read_pages(self, keys: list[str], ids: list[PageId | None], dest: list[int]
                     ) -> list[str]:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import time
+
 import pytest
 import torch
 
@@ -119,3 +122,20 @@ def test_layer_reads_keep_the_files_before_the_first_bad_header(tmp_path, damage
         off += b[0].nbytes
     assert layers.finish(False) == bad
     same_pages(src, dst, bad)
+
+
+def test_a_hit_renews_the_recency_of_files_not_touched_this_minute(tmp_path):
+    """mtime is the LRU order a restarted store reads back: a hit sets it, unless it is already
+    recent (a hot file is not rewritten on every load)."""
+    src, store, keys, ids, reads = written(tmp_path)
+    old, recent = time.time() - 3600, time.time() - 20
+    files = [tmp_path / k[:2] / f"{k}.kv" for k in keys]
+    for i, f in enumerate(files):
+        os.utime(f, (old, old) if i % 2 else (recent, recent))
+    dst, n = into(reads, keys, ids)
+    assert n == N
+    for i, f in enumerate(files):
+        if i % 2:
+            assert f.stat().st_mtime > time.time() - 30  # renewed
+        else:
+            assert f.stat().st_mtime == pytest.approx(recent)  # already recent: left as it was

@@ -240,3 +240,11 @@ def test_a_loader_dying_mid_read_leaves_nothing_applied(tiny_llama, tmp_path, on
     assert st["cache_streamed_loads_total"] == st["cache_streamed_rewinds_total"] == 1
     assert out.token_ids == cold.token_ids
     assert out.cached_tokens_by_tier["disk"] == 0 and out.num_computed_tokens == len(p) + 3
+
+
+@pytest.mark.parametrize("groups", [0, 1, 2, 5, 30])
+def test_native_reads_take_layer_0_alone_then_pieces_of_groups_in_order(groups):
+    pieces = layer_stream._pieces(groups)
+    assert [g for p in pieces for g in p] == list(range(groups))  # every group once, in order
+    assert not pieces or list(pieces[0]) == [0]  # the forward waits on layer 0 alone
+    assert all(len(p) <= layer_stream.PIECE_GROUPS for p in pieces)

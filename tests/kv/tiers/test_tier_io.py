@@ -239,7 +239,7 @@ def big_pool(n, seed=0):
 
 @pytest.mark.parametrize("codec", ["lossless", "fp8", "fp4"])
 def test_parallel_l3_load_lands_in_the_dest_pages_in_chain_order(tmp_path, codec):
-    n = 3 * PageLoader.READ_CHUNK + 5  # several chunks per reader thread, one partial
+    n = 3 * PageLoader.POOL_CHUNK + 5  # several chunks of either size, one partial
     p = big_pool(n)
     t = io(p, tmp_path, host_bytes=0, disk_codec=codec, read_ahead=3)
     assert t.loader.direct_reads == (codec == "lossless")
@@ -263,7 +263,7 @@ def test_parallel_l3_load_lands_in_the_dest_pages_in_chain_order(tmp_path, codec
 
 @pytest.mark.parametrize("how", ["reader dies", "file damaged"])
 def test_a_failure_mid_load_applies_exactly_the_pages_before_it(tmp_path, how):
-    n, bad = 4 * PageLoader.READ_CHUNK, PageLoader.READ_CHUNK + 3
+    n, bad = 4 * PageLoader.POOL_CHUNK, PageLoader.POOL_CHUNK + 3
     p = big_pool(n)
     t = io(p, tmp_path, host_bytes=0, read_ahead=4)
     hs = [i.to_bytes(4, "little") * 4 for i in range(n)]
@@ -299,7 +299,7 @@ def test_a_failure_mid_load_applies_exactly_the_pages_before_it(tmp_path, how):
     t.start_load(job)
     wait_done(job)
     # a reader that dies in a native batch loses its chunk: only whole chunks before it count
-    good = bad - bad % PageLoader.READ_CHUNK if how == "reader dies" and t.loader.batch else bad
+    good = bad - bad % t.loader.chunk(n) if how == "reader dies" and t.loader.batch else bad
     assert job.num_loaded == good and job.failed_at == good
     assert job.page_tiers == [DISK] * good
     pages_equal(p, p, list(range(1, good + 1)), list(range(n + 1, n + good + 1)))

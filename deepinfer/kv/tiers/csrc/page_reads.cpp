@@ -3,7 +3,7 @@
 // header + payload (scattered into one page of every buffer) + tag + one byte past the end (must
 // stay unread), the header compared byte for byte with the one the caller expects, XXH3-128 over
 // header and payload while the page is still in the CPU cache, the tag compared, mtime set (the
-// LRU recency) where asked. The first file that fails any step ends the call: the caller takes the
+// LRU recency) where asked and a minute old. The first file that fails any step ends the call: the caller takes the
 // leading run and sends the failed file down its precise (Python) path, which counts and
 // quarantines. ``LayerReads`` reads the same files a layer group at a time. XXH3 is the xxHash
 // library the Python ``xxhash`` package loads; ``bind_xxh3`` resolves its symbols once (no second
@@ -23,6 +23,7 @@
 #include <climits>
 #include <cstdint>
 #include <cstring>
+#include <ctime>
 #include <string>
 #include <vector>
 
@@ -78,9 +79,19 @@ Slices buffer_slices(const std::vector<at::Tensor>& buffers) {
   return s;
 }
 
+// mtime = now (the LRU recency DiskStore reads back after a restart; best effort, as its _touch),
+// unless it is already less than kTouchEvery seconds old: a file read again and again (a hot
+// prefix) then costs an fstat, not an inode update and its journal write per load.
+constexpr time_t kTouchEvery = 60;
+
+void touch(int fd) {
+  struct stat st;
+  if (fstat(fd, &st) != 0 || time(nullptr) - st.st_mtime >= kTouchEvery) futimens(fd, nullptr);
+}
+
 // One file into page ``page`` of the buffers; true if it read whole, and header and tag match.
 bool read_one(const char* path, const uint8_t* head, size_t hlen, const Slices& s, int64_t page,
-              bool touch, void* state, std::vector<uint8_t>& got_head, std::vector<iovec>& iov) {
+              bool touch_it, void* state, std::vector<uint8_t>& got_head, std::vector<iovec>& iov) {
   const int fd = open(path, O_RDONLY | O_CLOEXEC);
   if (fd < 0) return false;
   got_head.resize(hlen);
@@ -103,7 +114,7 @@ bool read_one(const char* path, const uint8_t* head, size_t hlen, const Slices& 
     canonical(g_xxh3.digest(state), digest);
     ok = std::memcmp(digest, tag, sizeof(tag)) == 0;
   }
-  if (ok && touch) futimens(fd, nullptr);  // best effort, as DiskStore._touch
+  if (ok && touch_it) touch(fd);
   close(fd);
   return ok;
 }
@@ -150,8 +161,9 @@ int64_t read_pages(std::vector<std::string> paths, at::Tensor heads, at::Tensor 
 // not read further. From a cold disk, a blocking read per file would leave the device one request
 // at a time per reader (the forward waited on it for layer 0): every file's header and first piece
 // (``first`` bytes) are asked for at once (``POSIX_FADV_WILLNEED``) before the headers are read,
-// and every kAhead-th read asks for the next kAhead pieces of every file, layer order (the
-// kernel's own readahead, of each file in turn, does not start on pages a hint brought in).
+// and a read that reaches the end of what was asked for asks for the next kAhead pieces of its
+// size of every file, layer order (the kernel's own readahead, of each file in turn, does not
+// start on pages a hint brought in). Pieces may differ in size (layer_stream.py's _pieces).
 constexpr int64_t kAhead = 4;  // pieces asked for per hint
 
 struct LayerReads : torch::CustomClassHolder {
@@ -159,6 +171,7 @@ struct LayerReads : torch::CustomClassHolder {
   std::vector<void*> states;
   std::vector<size_t> hlens;
   int64_t payload_len = 0, consumed = 0, live = 0;
+  int64_t hinted = 0;  // payload bytes asked for so far
 
   LayerReads(std::vector<std::string> paths, at::Tensor heads, at::Tensor offsets, int64_t payload, int64_t first) {
     TORCH_CHECK(g_xxh3.create != nullptr, "bind_xxh3 first");
@@ -169,6 +182,7 @@ struct LayerReads : torch::CustomClassHolder {
     const int64_t* off = oc.data_ptr<int64_t>();
     const uint8_t* h = heads.data_ptr<uint8_t>();
     payload_len = payload;
+    hinted = first;
     std::vector<int> opened;
     for (int64_t i = 0; i < n; ++i) {
       const int fd = open(paths[i].c_str(), O_RDONLY | O_CLOEXEC);
@@ -214,11 +228,13 @@ struct LayerReads : torch::CustomClassHolder {
       width += s.nbytes[j];
     }
     TORCH_CHECK(consumed + static_cast<int64_t>(width) <= payload_len, "reads past the payload");
-    if (width > 0 && consumed % (kAhead * static_cast<int64_t>(width)) == 0) {  // every kAhead-th read
-      const int64_t at = consumed + static_cast<int64_t>(width);
-      const int64_t len = std::min<int64_t>(kAhead * static_cast<int64_t>(width), payload_len - at);
+    const int64_t end = consumed + static_cast<int64_t>(width);
+    if (width > 0 && end >= hinted) {  // the next piece not asked for yet: the next kAhead of this size
+      const int64_t at = std::max(hinted, end);
+      const int64_t len = std::min<int64_t>(end + kAhead * static_cast<int64_t>(width), payload_len) - at;
       for (int64_t i = 0; len > 0 && i < live; ++i)
         posix_fadvise(fds[i], static_cast<off_t>(hlens[i] + at), static_cast<off_t>(len), POSIX_FADV_WILLNEED);
+      hinted = at + std::max<int64_t>(len, 0);
     }
     std::vector<iovec> iov(s.base.size());
     for (int64_t i = 0; i < live; ++i) {
@@ -237,7 +253,7 @@ struct LayerReads : torch::CustomClassHolder {
   // Tags of the live files checked (each file must end right after its tag), mtimes set where
   // ``touch``, every file closed. -> the leading files read whole and intact (0 if the payloads
   // were not all read).
-  int64_t finish(bool touch) {
+  int64_t finish(bool touch_it) {
     if (consumed != payload_len) live = 0;
     for (int64_t i = 0; i < live; ++i) {
       uint8_t tag[16], past[1], digest[16];
@@ -249,7 +265,7 @@ struct LayerReads : torch::CustomClassHolder {
         live = i;
         break;
       }
-      if (touch) futimens(fds[i], nullptr);
+      if (touch_it) touch(fds[i]);
     }
     release();
     return live;
