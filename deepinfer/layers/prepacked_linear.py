@@ -43,13 +43,11 @@ def prepack_available(dtype: torch.dtype) -> bool:
     return dtype == torch.float32
 
 
-# The op's overload, resolved once: a packet call picks among the overloads at every call.
-_LINEAR_POINTWISE = torch.ops.mkldnn._linear_pointwise.default
-
-
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x[..., K] @ weight.T + bias`` on a weight from ``torch.ops.mkldnn._reorder_linear_weight``."""
-    return _LINEAR_POINTWISE(x, packed, bias, "none", [], "")
+    """``x[..., K] @ weight.T + bias`` on a weight from ``torch.ops.mkldnn._reorder_linear_weight``
+    (the op's overload named: a packet call picks among the overloads at every call; looked up
+    here, not at import, as a torch without oneDNN has no such op)."""
+    return torch.ops.mkldnn._linear_pointwise.default(x, packed, bias, "none", [], "")
 
 
 class PrepackedLinear(SplitOutputs, nn.Module):
