@@ -38,8 +38,8 @@ def store_kv(cache: torch.Tensor, x: torch.Tensor, slot_mapping: torch.Tensor) -
 
 
 def _stores_natively(cache: torch.Tensor, x: torch.Tensor) -> bool:
-    return x.dim() == 3 and cache.dim() == 4 and x.dtype == cache.dtype and x.stride(-1) == 1 \
-        and cache.stride(-1) == 1 and small_ops_apply(x)
+    return x.dim() == 3 and cache.dim() == 4 and x.dtype == cache.dtype and x.stride(2) == 1 \
+        and cache.stride(3) == 1 and small_ops_apply(x)
 
 
 def rotate_and_store(rotary: RotaryEmbedding, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,

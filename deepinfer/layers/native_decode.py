@@ -39,7 +39,7 @@ def decode_backend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
                    softcap: float | None, sinks: torch.Tensor | None) -> str:
     """``native`` or ``torch``: which code computes this layer's decode attention."""
     native = (batch.attention_backend == "auto" and softcap is None and sinks is None
-              and q.device.type == "cpu" and q.dtype in NATIVE_DTYPES
+              and q.is_cpu and q.dtype in NATIVE_DTYPES
               and k_cache.dtype == q.dtype and v_cache.dtype == q.dtype
               and k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
               and native_decode_kernel().loaded)

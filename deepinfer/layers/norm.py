@@ -30,6 +30,8 @@ class RMSNorm(nn.Module):
         # Computed in fp32 whatever the activation dtype, as the reference implementations do.
         dtype = x.dtype
         if small_ops_apply(x):
+            if x.dim() == 2:  # a block's norm: no reshape and view back (a fifth of the call)
+                return torch.ops.deepinfer_ops.rms_norm(x.contiguous(), self._native_weight(), self.eps)
             return torch.ops.deepinfer_ops.rms_norm(x.reshape(-1, x.shape[-1]).contiguous(), self._native_weight(),
                                                     self.eps).view(x.shape)
         w = self._weight()

@@ -44,8 +44,10 @@ def prepack_available(dtype: torch.dtype) -> bool:
 
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x[..., K] @ weight.T + bias`` on a weight from ``torch.ops.mkldnn._reorder_linear_weight``."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    """``x[..., K] @ weight.T + bias`` on a weight from ``torch.ops.mkldnn._reorder_linear_weight``
+    (the op's overload named: a packet call picks among the overloads at every call; looked up
+    here, not at import, as a torch without oneDNN has no such op)."""
+    return torch.ops.mkldnn._linear_pointwise.default(x, packed, bias, "none", [], "")
 
 
 class PrepackedLinear(SplitOutputs, nn.Module):
@@ -59,6 +61,9 @@ class PrepackedLinear(SplitOutputs, nn.Module):
         self.out_features = inner.out_features
         self.out_sizes = inner.out_sizes if isinstance(inner, SplitOutputs) else [inner.out_features]
         self.packed = torch.ops.mkldnn._reorder_linear_weight(inner.weight.detach().contiguous(), PACK_ROWS)
+        # a plain tensor beside the packed weight (a snapshot of the loaded model's, as that is):
+        # ``self.inner.bias`` costs two module attribute lookups a call
+        self.packed_bias = None if inner.bias is None else inner.bias.detach()
         self.min_rows = MIN_ROWS if inner.weight.dtype == torch.bfloat16 else FP32_MIN_ROWS
 
     @property
@@ -72,7 +77,7 @@ class PrepackedLinear(SplitOutputs, nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() < self.min_rows * self.in_features:
             return self.inner.forward(x)  # not inner(x): no second module call per decode linear
-        return packed_linear(x, self.packed, self.inner.bias)
+        return packed_linear(x, self.packed, self.packed_bias)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, large_rows=onednn_packed"

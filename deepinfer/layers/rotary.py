@@ -87,9 +87,9 @@ class RotaryEmbedding(nn.Module):
 
     def native(self, positions: torch.Tensor, x: torch.Tensor) -> bool:
         """Whether our native op rotates ``x`` [T, heads, head_dim] (NeoX halves over whole heads)."""
-        return (not self.interleaved and x.shape[-1] == self.rot_dim and x.dim() == 3 and x.stride(-1) == 1
+        return (not self.interleaved and x.dim() == 3 and x.shape[2] == self.rot_dim and x.stride(2) == 1
                 and positions.dtype == torch.long and positions.dim() == 1 and small_ops_apply(x)
-                and self.cos.device.type == "cpu")
+                and self.cos.is_cpu)
 
     def _tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # Every layer of a step passes the same positions tensor: look the tables up once.

@@ -64,6 +64,7 @@ class LlamaAttention(nn.Module):
         bias = getattr(config, "attention_bias", False) or config.model_type == "qwen2"
         self.share_with = kv_share_source(config, layer_idx)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_heads = [self.num_heads, self.num_kv_heads, self.num_kv_heads]
         # A layer reading another layer's cache only projects queries.
         self.qkv_proj = FusedLinear(config.hidden_size,
                                     [q_size] if self.share_with is not None else [q_size, kv_size, kv_size],
@@ -88,10 +89,8 @@ class LlamaAttention(nn.Module):
         if self.share_with is not None:
             return self._forward_shared(x, batch, kv)
         T = x.shape[0]
-        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
-        q = q.view(T, self.num_heads, self.head_dim)
-        k = k.view(T, self.num_kv_heads, self.head_dim)
-        v = v.view(T, self.num_kv_heads, self.head_dim)
+        # q | k | v as heads: one view and one split (not a split and a view of each part)
+        q, k, v = self.qkv_proj(x).view(T, -1, self.head_dim).split(self.qkv_heads, dim=1)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotate_and_store(self.rotary, batch.positions, q, k, v, kv["k"], kv["v"], batch.slot_mapping)
