@@ -229,13 +229,6 @@ struct LayerReads : torch::CustomClassHolder {
     }
     TORCH_CHECK(consumed + static_cast<int64_t>(width) <= payload_len, "reads past the payload");
     const int64_t end = consumed + static_cast<int64_t>(width);
-    if (width > 0 && end >= hinted) {  // the next piece not asked for yet: the next kAhead of this size
-      const int64_t at = std::max(hinted, end);
-      const int64_t len = std::min<int64_t>(end + kAhead * static_cast<int64_t>(width), payload_len) - at;
-      for (int64_t i = 0; len > 0 && i < live; ++i)
-        posix_fadvise(fds[i], static_cast<off_t>(hlens[i] + at), static_cast<off_t>(len), POSIX_FADV_WILLNEED);
-      hinted = at + std::max<int64_t>(len, 0);
-    }
     std::vector<iovec> iov(s.base.size());
     for (int64_t i = 0; i < live; ++i) {
       for (size_t j = 0; j < s.base.size(); ++j) iov[j] = {s.base[j] + pg[i] * s.nbytes[j], s.nbytes[j]};
@@ -247,6 +240,15 @@ struct LayerReads : torch::CustomClassHolder {
       for (const iovec& v : iov) g_xxh3.update(states[i], v.iov_base, v.iov_len);
     }
     consumed += static_cast<int64_t>(width);
+    // Asked for after this piece's reads, not before: a hint's readahead fills the device queue,
+    // and a read behind it (this piece's, which the forward waits for) would queue behind it.
+    if (width > 0 && end >= hinted) {  // the next piece not asked for yet: the next kAhead of this size
+      const int64_t at = std::max(hinted, end);
+      const int64_t len = std::min<int64_t>(end + kAhead * static_cast<int64_t>(width), payload_len) - at;
+      for (int64_t i = 0; len > 0 && i < live; ++i)
+        posix_fadvise(fds[i], static_cast<off_t>(hlens[i] + at), static_cast<off_t>(len), POSIX_FADV_WILLNEED);
+      hinted = at + std::max<int64_t>(len, 0);
+    }
     return live;
   }
 
