@@ -16,6 +16,7 @@ from tqdm import tqdm
 from .config import EngineConfig
 from .forward_batch import ForwardBatch, PrefillSegment, Workspace
 from .kv.build import build_device_kv
+from .layers.batch_rows_linear import use_batch_rows_linears
 from .layers.logits_processors import apply_logit_bias, apply_penalties
 from .layers.rotary import RotaryEmbedding
 from .layers.sampler import SampleResult, sample
@@ -77,6 +78,7 @@ class ModelRunner:
         model.load_weights(weights)  # copies cast each tensor into its parameter's dtype
         quantize_model(model, self.quant_plan, skip=model.unquantized_linears + model.fp32_params,
                        prequantized=self._checkpoint_blocks(ckpt, model))
+        use_batch_rows_linears(model)  # bf16 without AMX: one packed kernel for every row count
         use_small_row_linears(model)  # the float linears left: the native kernel for a few rows
         use_prepacked_linears(model)  # ... and oneDNN on a packed weight for more rows
         return model.eval()

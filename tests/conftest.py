@@ -37,12 +37,22 @@ def native_kernels():
     """Our C++ kernels a tiny model's step uses, built (once per machine, minutes on a cold
     loaded one) before any test's clock runs: otherwise the first request of whichever test
     comes first pays the build, and a worker answering /health meanwhile looks hung."""
+    from deepinfer.layers.batch_rows_linear import batch_rows_kernel
     from deepinfer.layers.native_decode import native_decode_kernel
     from deepinfer.layers.native_ops import small_ops_kernel
     from deepinfer.layers.native_prefill import native_prefill_kernel
     from deepinfer.layers.small_row_linear import small_rows_kernel
 
-    return native_decode_kernel(), small_ops_kernel(), small_rows_kernel(), native_prefill_kernel()
+    return (native_decode_kernel(), small_ops_kernel(), small_rows_kernel(), native_prefill_kernel(),
+            batch_rows_kernel())
+
+
+@pytest.fixture
+def no_batch_rows(monkeypatch):
+    """bfloat16 linears kept off the batch-rows kernel for a test of the kernels it replaces."""
+    from deepinfer.layers import batch_rows_linear
+
+    monkeypatch.setattr(batch_rows_linear, "batch_rows_usable", lambda: False)
 
 
 @pytest.fixture(scope="session")

@@ -11,7 +11,8 @@ wrapped layer (``SmallRowLinear`` or ``nn.Linear``) and its kernels, whose resul
 on the number of rows. The packed copy costs a second copy of each wrapped weight, the LM head's
 included: a prefill computes one row of logits per sequence, but a batched decode one per
 sequence of the batch. CUDA, a torch without oneDNN, bfloat16 on a CPU oneDNN has no bf16 path
-for, and ``DEEPINFER_NO_PREPACK=1`` keep the layers as they are.
+for, and ``DEEPINFER_NO_PREPACK=1`` keep the layers as they are. bfloat16 layers on a CPU with AVX512-BF16
+and no AMX are ``BatchRowsLinear`` by then (``batch_rows_linear.py``), not wrapped here.
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from transformers import Qwen2Config
 
+from deepinfer.layers.batch_rows_linear import BatchRowsLinear
 from deepinfer.layers.prepacked_linear import PrepackedLinear
 from deepinfer.llm import LLM
 from deepinfer.request import Request
@@ -29,7 +30,10 @@ def tiny_qwen2(tmp_path_factory):
 
 
 def linear(layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """oneDNN on the packed weight from ``min_rows`` rows, else the wrapped layer's own kernel."""
+    """The batch-rows kernel on its packed weight; oneDNN on its packed weight from ``min_rows``
+    rows, else the wrapped layer's own kernel."""
+    if isinstance(layer, BatchRowsLinear):
+        return torch.ops.deepinfer_batch.linear(x, layer.packed, layer.packed_bias, layer.out_features)
     if isinstance(layer, PrepackedLinear) and x.shape[0] >= layer.min_rows:
         return torch.ops.mkldnn._linear_pointwise(x, layer.packed, layer.inner.bias, "none", [], "")
     return layer(x)
