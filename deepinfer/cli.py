@@ -24,6 +24,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=d.device, help="auto | cpu | cuda | cuda:N")
     p.add_argument("--threads", type=int, default=None,
                    help="compute threads (default: the cores this process may run on)")
+    p.add_argument("--fixed-threads", action="store_true",
+                   help="keep --threads where other processes take cores (default: run on the cores they leave free)")
     p.add_argument("--quantization", default=d.quantization, choices=QUANTIZATIONS,
                    help="weight-only quantization of every linear layer, LM head included")
     p.add_argument("--quantization-kernel", default=d.quantization_kernel, choices=KERNELS,
@@ -143,7 +145,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     from .kv.tiers.store_clients import parse_store_options
 
     return EngineConfig(
-        model=args.model, dtype=args.dtype, device=args.device, threads=args.threads,
+        model=args.model, dtype=args.dtype, device=args.device, threads=args.threads, fixed_threads=args.fixed_threads,
         quantization=args.quantization, quantization_kernel=args.quantization_kernel,
         max_model_len=args.max_model_len,
         page_size=args.page_size, num_pages=args.num_pages,

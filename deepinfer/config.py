@@ -20,6 +20,7 @@ class EngineConfig:
     dtype: str = "auto"  # auto: bfloat16 on CUDA and on CPUs with native bf16 matmul, else float32
     device: str = "auto"  # auto: cuda if available else cpu
     threads: int | None = None  # intra-op compute threads; None: the cores this process may use
+    fixed_threads: bool = False  # keep `threads` even where other processes take cores (threads.CoreShare)
     quantization: str = "none"  # weight-only: none | int8 | int4 (every linear layer, LM head too)
     quantization_kernel: str = "auto"  # auto (fastest here) | native | native-int8 | native-float | fbgemm | tinygemm | dequant
     max_model_len: int | None = None  # default: the model's max_position_embeddings, capped at 8192

@@ -42,7 +42,7 @@ from .scheduler import Scheduler
 from .scoring import score_prompts
 from .spec.step import build_decoder, emit_verified
 from .stopping import StopRules
-from .threads import apply_thread_policy
+from .threads import CoreShare, apply_thread_policy
 
 if TYPE_CHECKING:
     from .structured.grammar import GrammarCompiler
@@ -56,6 +56,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.thread_policy = apply_thread_policy(config.threads)
+        self.cores = None if config.fixed_threads else CoreShare(self.thread_policy.threads)
         ckpt = load_checkpoint(config.model, progress=config.progress)
         self.model_name = ckpt.name
         self.checkpoint_path = ckpt.path
@@ -77,7 +78,9 @@ class LLMEngine:
             f"page{config.page_size}"] + ([f"{quant.scheme}-{quant.kernel}"] if quant.scheme != "none" else []))
         self.startup_summary = (f"{describe_device(self.runner.device)}; dtype "
                                 f"{str(self.runner.dtype).removeprefix('torch.')} ({config.dtype}); "
-                                f"{self.thread_policy.describe()}; {quant.describe()}")
+                                f"{self.thread_policy.describe()}"
+                                f"{'' if config.fixed_threads else ', fewer where other processes take cores'}; "
+                                f"{quant.describe()}")
         if config.progress:
             print(f"deepinfer: {self.startup_summary}", file=sys.stderr)
         self.tiers = build_tiers(config, self.runner.pool, self.model_identity)
@@ -194,6 +197,8 @@ class LLMEngine:
         failed ones: finish reason ``error``, ``req.error`` says why); with overlap, mostly
         those of the step launched the call before."""
         self.kv.poll()
+        if self.cores is not None:
+            self.cores.update()
         out = self.plain_step() if self.overlap is None else self.overlap.step()
         return out + self._take_failed()
 
