@@ -25,7 +25,7 @@ from torch import nn
 
 from ..hardware import cpu_isa
 from ..native_build import NativeExtension, build_extension
-from .linear import FusedLinear, SplitOutputs
+from .linear import WrappedLinear, replace_module
 
 SOURCE = Path(__file__).parent / "csrc" / "batch_rows.cpp"
 STEM = "deepinfer_batch_rows"
@@ -55,18 +55,12 @@ def batch_rows_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor 
     return torch.ops.deepinfer_batch.linear(x, packed, bias, out_features)
 
 
-class BatchRowsLinear(SplitOutputs, nn.Module):
-    """``linear``'s product by the kernel at every row count. The parameters stay the layer's
-    (tied weights stay tied, loaders see them); the packed copy is a snapshot of the loaded
-    weight, as oneDNN's packed one is."""
+class BatchRowsLinear(WrappedLinear):
+    """``linear``'s product by the kernel at every row count; the packed copy is a snapshot of
+    the loaded weight, as oneDNN's packed one is."""
 
     def __init__(self, linear: nn.Linear) -> None:
-        super().__init__()
-        self.weight = linear.weight
-        self.bias = linear.bias
-        self.in_features = linear.in_features
-        self.out_features = linear.out_features
-        self.out_sizes = linear.out_sizes if isinstance(linear, FusedLinear) else [linear.out_features]
+        super().__init__(linear)
         self.packed = pack_weight(linear.weight)
         # fp32 (exact for a bf16 bias): the kernel adds it to the fp32 sums, no cast per call
         self.packed_bias = None if linear.bias is None else linear.bias.detach().float()
@@ -88,6 +82,5 @@ def use_batch_rows_linears(model: nn.Module) -> int:
     if not targets or not batch_rows_usable():
         return 0
     for name, linear in targets:
-        parent_name, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent_name), attr, BatchRowsLinear(linear))
+        replace_module(model, name, BatchRowsLinear(linear))
     return len(targets)

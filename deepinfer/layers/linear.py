@@ -18,6 +18,25 @@ class SplitOutputs:
         return y.split(self.out_sizes, dim=-1)
 
 
+class WrappedLinear(SplitOutputs, nn.Module):
+    """``linear``'s product by another kernel. Keeps the layer's parameters (tied weights stay
+    tied, loaders and hooks see them) and ``out_sizes`` (fused layers still split)."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.weight = linear.weight
+        self.bias = linear.bias
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        self.out_sizes = linear.out_sizes if isinstance(linear, FusedLinear) else [linear.out_features]
+
+
+def replace_module(model: nn.Module, name: str, module: nn.Module) -> None:
+    """Put ``module`` where ``model``'s submodule ``name`` is (the load-time kernel swaps)."""
+    parent_name, _, attr = name.rpartition(".")
+    setattr(model.get_submodule(parent_name), attr, module)
+
+
 class FusedLinear(SplitOutputs, nn.Linear):
     """One matmul producing several outputs; shard ``i`` occupies rows ``offsets[i]:...``."""
 

@@ -22,7 +22,7 @@ import os
 import torch
 from torch import nn
 
-from .linear import SplitOutputs
+from .linear import SplitOutputs, replace_module
 from .small_row_linear import DTYPES, MAX_ROWS, SmallRowLinear
 
 DISABLE_ENV = "DEEPINFER_NO_PREPACK"
@@ -93,6 +93,5 @@ def use_prepacked_linears(model: nn.Module) -> int:
                and (m.weight.dtype == torch.bfloat16 or name.rpartition(".")[2] != "lm_head") and m.weight.dtype in DTYPES]
     targets = [(name, m) for name, m in targets if prepack_available(m.weight.dtype)]
     for name, linear in targets:
-        parent_name, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent_name), attr, PrepackedLinear(linear))
+        replace_module(model, name, PrepackedLinear(linear))
     return len(targets)

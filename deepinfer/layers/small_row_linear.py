@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..native_build import NativeExtension, build_extension
-from .linear import FusedLinear, SplitOutputs
+from .linear import WrappedLinear, replace_module
 
 SOURCE = Path(__file__).parent / "csrc" / "small_rows.cpp"
 STEM = "deepinfer_small_rows"
@@ -46,17 +46,12 @@ def small_rows_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     return torch.ops.deepinfer_rows.linear(x, weight, bias)
 
 
-class SmallRowLinear(SplitOutputs, nn.Module):
+class SmallRowLinear(WrappedLinear):
     """``nn.Linear``'s product, by the native kernel for ``MIN_ROWS``..``MAX_ROWS`` rows; keeps the
     layer's parameters (tied weights stay tied) and ``out_sizes`` so fused layers still split."""
 
     def __init__(self, linear: nn.Linear) -> None:
-        super().__init__()
-        self.weight = linear.weight
-        self.bias = linear.bias
-        self.in_features = linear.in_features
-        self.out_features = linear.out_features
-        self.out_sizes = linear.out_sizes if isinstance(linear, FusedLinear) else [linear.out_features]
+        super().__init__(linear)
         one_row = self.weight.dtype == torch.bfloat16 and small_rows_kernel().isa == DPBF16_ISA
         self.min_rows = 1 if one_row else MIN_ROWS
 
@@ -80,6 +75,5 @@ def use_small_row_linears(model: nn.Module) -> int:
         return 0
     for name, linear in targets:
         linear.weight.data = linear.weight.data.contiguous()
-        parent_name, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent_name), attr, SmallRowLinear(linear))
+        replace_module(model, name, SmallRowLinear(linear))
     return len(targets)

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..layers.linear import FusedLinear, SplitOutputs
+from ..layers.linear import FusedLinear, SplitOutputs, replace_module
 from .kernels import NATIVE_ACT_BITS, QuantPlan, fbgemm_engine
 from .native import native_linear
 from .packed import pack_weight
@@ -117,8 +117,6 @@ def quantize_model(model: nn.Module, plan: QuantPlan, skip: tuple[str, ...] = ()
         weight = weight.to(linear.weight.device)  # checkpoint blocks are read on the host
         bias = None if linear.bias is None else linear.bias.data
         out_sizes = linear.out_sizes if isinstance(linear, FusedLinear) else [linear.out_features]
-        parent_name, _, attr = name.rpartition(".")
-        parent = model.get_submodule(parent_name)
         kernel = "dequant" if plan.kernel == "tinygemm" and weight.bits != 4 else plan.kernel
-        setattr(parent, attr, QuantizedLinear(weight, bias, kernel, out_sizes))
+        replace_module(model, name, QuantizedLinear(weight, bias, kernel, out_sizes))
     return len(targets)
