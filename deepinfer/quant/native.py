@@ -45,5 +45,7 @@ def native_linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None, a
     and benchmarks compare the two in one process); builds without VNNI ignore it. ``wide=False``
     keeps calls of several rows off the 512-bit tiles (``csrc/qgemm_wide.h``; the same bits) where
     the build has them."""
-    return torch.ops.deepinfer_quant.linear(x, w.codes, w.scale, w.offset, bias, w.out_features, w.bits, act_bits,
-                                            vnni, wide)
+    # the resolved overload: the packet picks among overloads at every call (looked up here, not
+    # at import, as the op exists only once the kernel is loaded)
+    return torch.ops.deepinfer_quant.linear.default(x, w.codes, w.scale, w.offset, bias, w.out_features, w.bits,
+                                                    act_bits, vnni, wide)
