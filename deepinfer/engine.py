@@ -418,6 +418,8 @@ class LLMEngine:
             "failed_requests_total": self.failed_requests,
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
+            "compute_threads": self.thread_policy.threads if self.cores is None else self.cores.threads,
+            "other_processes_cores": 0.0 if self.cores is None else self.cores.others,
             "cache_hit_tokens_by_tier": dict(s.hit_tokens_by_tier),
         }
         out.update(self.kv.window_stats())  # sliding-window rings and snapshots (if any)

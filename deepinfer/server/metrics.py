@@ -47,6 +47,10 @@ ENGINE_FIELDS = {
     "total_pages": ("kv_total_pages", "gauge", "Device KV pages in the pool."),
     "running": ("num_requests_running", "gauge", "Requests being computed."),
     "waiting": ("num_requests_waiting", "gauge", "Requests waiting for a running slot or pages."),
+    "compute_threads": ("compute_threads", "gauge",
+                        "Compute threads now: --threads, fewer where other processes take cores."),
+    "other_processes_cores": ("other_processes_cores", "gauge",
+                              "Cores other processes took on this process's cores (last sample)."),
     "cache_hit_tokens_by_tier": ("prefix_cache_hits_by_tier_total", "counter",
                                  "Prompt tokens served from the prefix cache, by the tier they "
                                  "came from."),

@@ -122,3 +122,4 @@ def test_models_health_metrics(server, client, model_name):
             values[name.split("{")[0]] = float(value)
     queries = values["deepinfer:prefix_cache_queries_total"]
     assert queries >= values["deepinfer:prefix_cache_hits_total"] > 0
+    assert values["deepinfer:compute_threads"] >= 1 and values["deepinfer:other_processes_cores"] >= 0
