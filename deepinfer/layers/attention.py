@@ -50,8 +50,8 @@ def rotate_and_store(rotary: RotaryEmbedding, positions: torch.Tensor, q: torch.
     more than their work), else those four."""
     if q.dtype == k.dtype and rotary.native(positions, q) and rotary.native(positions, k) \
             and _stores_natively(k_cache, k) and _stores_natively(v_cache, v):
-        return torch.ops.deepinfer_ops.rotate_store(q, k, v, rotary.cos, rotary.sin, positions.contiguous(),
-                                                    k_cache, v_cache, slot_mapping.contiguous())
+        return torch.ops.deepinfer_ops.rotate_store.default(q, k, v, rotary.cos, rotary.sin, positions.contiguous(),
+                                                            k_cache, v_cache, slot_mapping.contiguous())
     q, k = rotary(positions, q), rotary(positions, k)
     store_kv(k_cache, k, slot_mapping)
     store_kv(v_cache, v, slot_mapping)

@@ -52,7 +52,7 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
 def batch_rows_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
                       out_features: int) -> torch.Tensor:
     """``x[M, K] @ weight.T + bias`` on ``pack_weight(weight)``, in bfloat16 (fp32 sums)."""
-    return torch.ops.deepinfer_batch.linear(x, packed, bias, out_features)
+    return torch.ops.deepinfer_batch.linear.default(x, packed, bias, out_features)  # the resolved overload
 
 
 class BatchRowsLinear(WrappedLinear):
@@ -66,6 +66,8 @@ class BatchRowsLinear(WrappedLinear):
         self.packed_bias = None if linear.bias is None else linear.bias.detach().float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2:  # the step's rows as they come (no reshape and view back: a decode's glue)
+            return batch_rows_linear(x, self.packed, self.packed_bias, self.out_features)
         y = batch_rows_linear(x.reshape(-1, self.in_features), self.packed, self.packed_bias, self.out_features)
         return y.view(*x.shape[:-1], self.out_features)
 

@@ -49,9 +49,9 @@ def decode_backend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
 def native_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch,
                   scale: float, window: int | None) -> torch.Tensor:
     """q [B, Hq, D] of the batch's decodes -> [B, Hq, Dv], read from the pages in place."""
-    return torch.ops.deepinfer_attention.paged_decode(q.contiguous(), k_cache, v_cache, batch.decode_pages,
-                                                      batch.decode_kv_lens, batch.decode_kv_start, batch.decode_kv_lo,
-                                                      window, scale)
+    return torch.ops.deepinfer_attention.paged_decode.default(
+        q.contiguous(), k_cache, v_cache, batch.decode_pages, batch.decode_kv_lens, batch.decode_kv_start,
+        batch.decode_kv_lo, window, scale)
 
 
 def span_rows(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seg: PrefillSegment,

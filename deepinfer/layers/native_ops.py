@@ -40,7 +40,7 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     ``x`` [rows, V]: one native pass where the small ops apply, so a bf16 row needs no float32
     copy first."""
     if x.dim() == 2 and x.shape[1] > 0 and x.stride(1) == 1 and small_ops_apply(x):
-        return torch.ops.deepinfer_ops.argmax_rows(x)
+        return torch.ops.deepinfer_ops.argmax_rows.default(x)
     return x.argmax(dim=-1)
 
 
@@ -50,6 +50,6 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     -87.3 gives -0 where torch's is under 1e-36); float32 keeps torch's ops, whose bits
     transformers' float32 reference shares."""
     if gate_up.dim() == 2 and gate_up.dtype == torch.bfloat16 and gate_up.stride(1) == 1 and small_ops_apply(gate_up):
-        return torch.ops.deepinfer_ops.silu_mul(gate_up)
+        return torch.ops.deepinfer_ops.silu_mul.default(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return torch.nn.functional.silu(gate) * up

@@ -31,9 +31,9 @@ class RMSNorm(nn.Module):
         dtype = x.dtype
         if small_ops_apply(x):
             if x.dim() == 2:  # a block's norm: no reshape and view back (a fifth of the call)
-                return torch.ops.deepinfer_ops.rms_norm(x.contiguous(), self._native_weight(), self.eps)
-            return torch.ops.deepinfer_ops.rms_norm(x.reshape(-1, x.shape[-1]).contiguous(), self._native_weight(),
-                                                    self.eps).view(x.shape)
+                return torch.ops.deepinfer_ops.rms_norm.default(x.contiguous(), self._native_weight(), self.eps)
+            flat = x.reshape(-1, x.shape[-1]).contiguous()
+            return torch.ops.deepinfer_ops.rms_norm.default(flat, self._native_weight(), self.eps).view(x.shape)
         w = self._weight()
         h = F.rms_norm(x if dtype == torch.float32 else x.float(), w.shape, w, self.eps)
         return h if dtype == torch.float32 else h.to(dtype)
@@ -42,7 +42,7 @@ class RMSNorm(nn.Module):
         """``(x + residual, norm(x + residual))`` for [T, dim] inputs: a block's residual add and
         the next norm, in one native pass where it applies."""
         if small_ops_apply(x) and residual.dtype == x.dtype and x.dim() == 2:
-            return torch.ops.deepinfer_ops.add_rms_norm(x.contiguous(), residual.contiguous(), self._native_weight(),
-                                                        self.eps)
+            return torch.ops.deepinfer_ops.add_rms_norm.default(x.contiguous(), residual.contiguous(),
+                                                                self._native_weight(), self.eps)
         s = x + residual
         return s, self(s)

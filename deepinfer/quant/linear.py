@@ -65,8 +65,12 @@ class QuantizedLinear(SplitOutputs, nn.Module):
         self.act_bits = NATIVE_ACT_BITS.get(kernel, 0)  # 0: not the native kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.act_bits and x.dim() == 2 and x.shape[0] <= NATIVE_MAX_ROWS and x.dtype in NATIVE_DTYPES:
+            # the decode step's rows, as they come (the general path below gives the same bits)
+            bias = None if self.bias is None else self.bias.float()
+            return native_linear(x.contiguous(), self.weight, bias, self.act_bits)
         lead, k = x.shape[:-1], x.shape[-1]
-        if self.act_bits and x.numel() <= NATIVE_MAX_ROWS * k:  # first: the decode step's path
+        if self.act_bits and x.numel() <= NATIVE_MAX_ROWS * k:
             bias = None if self.bias is None else self.bias.float()
             x2 = x.reshape(-1, k)  # fp32 and bf16 go in and come out as they are: no conversion ops
             x2 = x2.contiguous() if x2.dtype in NATIVE_DTYPES else x2.float().contiguous()
