@@ -65,18 +65,13 @@ class QuantizedLinear(SplitOutputs, nn.Module):
         self.act_bits = NATIVE_ACT_BITS.get(kernel, 0)  # 0: not the native kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.act_bits and x.dim() == 2 and x.shape[0] <= NATIVE_MAX_ROWS and x.dtype in NATIVE_DTYPES:
-            # the decode step's rows, as they come (the general path below gives the same bits)
-            bias = None if self.bias is None else self.bias.float()
-            return native_linear(x.contiguous(), self.weight, bias, self.act_bits)
         lead, k = x.shape[:-1], x.shape[-1]
-        if self.act_bits and x.numel() <= NATIVE_MAX_ROWS * k:
-            bias = None if self.bias is None else self.bias.float()
-            x2 = x.reshape(-1, k)  # fp32 and bf16 go in and come out as they are: no conversion ops
-            x2 = x2.contiguous() if x2.dtype in NATIVE_DTYPES else x2.float().contiguous()
-            y = native_linear(x2, self.weight, bias, self.act_bits)
-            y = y if y.dtype == x.dtype else y.to(x.dtype)
-            return y if x.dim() == 2 else y.view(*lead, self.out_features)
+        if self.act_bits and x.numel() <= NATIVE_MAX_ROWS * k:  # first: the decode step's path
+            if x.dim() == 2 and x.dtype in NATIVE_DTYPES:  # the step's rows as they come: no reshape, view, cast
+                return self._native(x.contiguous())
+            x2 = x.reshape(-1, k)
+            y = self._native(x2.contiguous() if x2.dtype in NATIVE_DTYPES else x2.float().contiguous())
+            return y.to(x.dtype).view(*lead, self.out_features)
         if self.kernel == "fbgemm":  # bias is inside the packed weight
             y = torch.ops.quantized.linear_dynamic(x.reshape(-1, k).float(), self._packed, True)
             return y.to(x.dtype).view(*lead, self.out_features)
@@ -88,6 +83,11 @@ class QuantizedLinear(SplitOutputs, nn.Module):
             return y if self.bias is None else y + self.bias.to(x.dtype)
         bias = None if self.bias is None else self.bias.to(x.dtype)
         return F.linear(x, self.weight.dequantize(x.dtype), bias)
+
+    def _native(self, x2: torch.Tensor) -> torch.Tensor:
+        """The native kernel on rows ``x2`` [M, K]: fp32 and bf16 go in and come out as they are."""
+        bias = None if self.bias is None else self.bias.float()
+        return native_linear(x2, self.weight, bias, self.act_bits)
 
     def extra_repr(self) -> str:
         return f"out_features={self.out_features}, scheme={self.scheme}, kernel={self.kernel}"

@@ -146,7 +146,9 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const std::opti
       const bf16* ahead = blk + 1 < hi ? wp + (p0 + kPanels) * ps : nullptr;
       for (int64_t m0 = 0; m0 < M; m0 += kRows) {
         const int64_t R = std::min<int64_t>(kRows, M - m0);
-        const bf16* next = m0 == 0 ? ahead : nullptr;  // a prefetch past the end is harmless
+        // the first row tile asks for the next block (its full width even where that block is the
+        // last, narrower one: a prefetch past the end of the weight is harmless)
+        const bf16* next = m0 == 0 ? ahead : nullptr;
         if (P == 3) rows_tile<3>(R, xp, ldx, K, wp, bp, N, m0, p0, next, yp);
         else if (P == 2) rows_tile<2>(R, xp, ldx, K, wp, bp, N, m0, p0, next, yp);
         else rows_tile<1>(R, xp, ldx, K, wp, bp, N, m0, p0, next, yp);  // the last block of a few panels
