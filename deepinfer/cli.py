@@ -33,6 +33,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "native-int8: int8-rounded, lossy; native-float: exact); fbgemm (int8, lossy); tinygemm (int4, bf16); dequant")
     p.add_argument("--attention-backend", default=d.attention_backend, choices=ATTENTION_BACKENDS,
                    help="decode attention: auto (our CPU kernel, reads KV pages in place) | torch (gather + SDPA)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="run every step through the Python modules (no native decode stack)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--page-size", type=int, default=d.page_size)
     p.add_argument("--num-pages", type=int, default=None, help="device KV pool size in pages")
@@ -152,7 +154,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         kv_cache_memory_gb=args.kv_cache_memory_gb, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_cache=not args.no_prefix_cache, overlap_schedule=args.overlap_schedule,
-        attention_backend=args.attention_backend,
+        attention_backend=args.attention_backend, enforce_eager=args.enforce_eager,
         window_reuse=args.window_reuse, window_snapshot_gb=args.window_snapshot_gb,
         window_snapshot_interval=args.window_snapshot_interval,
         window_replay_tokens=args.window_replay_tokens, window_ring=not args.no_window_ring,

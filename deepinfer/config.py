@@ -72,6 +72,8 @@ class EngineConfig:
     overlap_schedule: bool = False
     # decode attention: auto (our CPU kernel reading pages in place, where it applies) | torch
     attention_backend: str = "auto"
+    # every step through the Python modules: no native decode stack (models/llama_native.py)
+    enforce_eager: bool = False
     seed: int = 0
     progress: bool = True
 

@@ -23,6 +23,7 @@ from .layers.sampler import SampleResult, sample
 from .layers.prepacked_linear import use_prepacked_linears
 from .layers.small_row_linear import use_small_row_linears
 from .loader.quantized import dequantized
+from .models.llama_native import build_decode_stack
 from .models.registry import model_class
 from .quant.kernels import plan_quantization
 from .quant.gguf_blocks import gguf_weights, linear_weights
@@ -52,6 +53,8 @@ class ModelRunner:
         self.quant_plan = plan_quantization(config.quantization, config.quantization_kernel,
                                             self.device, self.dtype)
         self.model = self._build_model(ckpt, max_model_len)
+        # decode-only steps in one native call where the model allows (models/llama_native.py)
+        self.decode_stack = None if config.enforce_eager else build_decode_stack(self.model, self.dtype)
         self.specs = self.model.kv_specs()
         self.page_size = config.page_size
         self.device_kv = build_device_kv(config, self.specs, max_model_len, self.dtype, self.device)
@@ -171,10 +174,16 @@ class ModelRunner:
             # (a request missing from ``tokens`` failed in the step before: its row is dropped)
             batch.input_ids[at] = torch.tensor([tokens.get(r, 0) for _, r in step.pending],
                                                device=self.device)
-        hidden = self.model(batch, self.kv_buffers)
+        hidden = self.hidden(batch)
         if not step.sampled:
             return None
         return self.model.compute_logits(hidden[batch.logits_indices])
+
+    def hidden(self, batch: ForwardBatch) -> torch.Tensor:
+        """The model's hidden states [T, hidden] of the step's new tokens (their KV written)."""
+        if self.decode_stack is not None and self.decode_stack.runs(batch):
+            return self.decode_stack.forward(batch, self.kv_buffers)
+        return self.model(batch, self.kv_buffers)
 
     @torch.inference_mode()
     def forward_spans(self, items: list[tuple[Request, int]],
@@ -183,7 +192,7 @@ class ModelRunner:
         r there (one row for the others): speculative verify spans (``spec/``)."""
         step = self.prepare(items)
         batch, sampled = step.batch, step.sampled
-        hidden = self.model(batch, self.kv_buffers)
+        hidden = self.hidden(batch)
         if not sampled:
             return sampled, []
         sizes = [spans.get(r, 1) for r in sampled]
@@ -255,7 +264,7 @@ class ModelRunner:
     def prompt_logits(self, items: list[tuple[Request, int]]) -> torch.Tensor:
         """Logits of every new token of a one-request batch (for tests and scoring)."""
         batch = self.prepare(items).batch
-        return self.model.compute_logits(self.model(batch, self.kv_buffers)).float()
+        return self.model.compute_logits(self.hidden(batch)).float()
 
     def request_generator(self, r: Request) -> torch.Generator | None:
         """Every sampling request draws from its own generator: its seed, or one derived from

@@ -25,7 +25,7 @@ from torch import nn
 
 from ..hardware import cpu_isa
 from ..native_build import NativeExtension, build_extension
-from .linear import WrappedLinear, replace_module
+from .linear import NativeLinear, WrappedLinear, replace_module
 
 SOURCE = Path(__file__).parent / "csrc" / "batch_rows.cpp"
 STEM = "deepinfer_batch_rows"
@@ -70,6 +70,10 @@ class BatchRowsLinear(WrappedLinear):
             return batch_rows_linear(x, self.packed, self.packed_bias, self.out_features)
         y = batch_rows_linear(x.reshape(-1, self.in_features), self.packed, self.packed_bias, self.out_features)
         return y.view(*x.shape[:-1], self.out_features)
+
+    def native(self) -> NativeLinear:
+        return NativeLinear("deepinfer_batch::linear", (self.packed, self.packed_bias, self.out_features),
+                            max_rows=2**31 - 1)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, kernel=batch_rows"

@@ -5,8 +5,21 @@ Fusing cuts the number of matmul launches per layer, which dominates small-batch
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
+
+
+@dataclass(frozen=True)
+class NativeLinear:
+    """A linear's product as one registered op, ``op(x, *args)`` on rows ``x`` [M, K] with
+    M <= ``max_rows``: how code that runs ops without the modules (the native decode stack,
+    ``models/llama_native.py``) runs this layer's own kernel."""
+
+    op: str  # "namespace::name" of the op (its default overload)
+    args: tuple[torch.Tensor | int | bool | None, ...]
+    max_rows: int
 
 
 class SplitOutputs:

@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..layers.linear import FusedLinear, SplitOutputs, replace_module
+from ..layers.linear import FusedLinear, NativeLinear, SplitOutputs, replace_module
 from .kernels import NATIVE_ACT_BITS, QuantPlan, fbgemm_engine
-from .native import native_linear
+from .native import LINEAR_OP, linear_args, native_linear
 from .packed import pack_weight
 from .weights import QuantizedWeight, GROUP, quantize_int4, quantize_int8
 
@@ -88,6 +88,14 @@ class QuantizedLinear(SplitOutputs, nn.Module):
         """The native kernel on rows ``x2`` [M, K]: fp32 and bf16 go in and come out as they are."""
         bias = None if self.bias is None else self.bias.float()
         return native_linear(x2, self.weight, bias, self.act_bits)
+
+    def native(self) -> NativeLinear | None:
+        """The native kernel as ``forward`` runs it on up to ``NATIVE_MAX_ROWS`` rows (None for
+        the other kernels)."""
+        if not self.act_bits:
+            return None
+        bias = None if self.bias is None else self.bias.detach().float()
+        return NativeLinear(LINEAR_OP, linear_args(self.weight, bias, self.act_bits), max_rows=NATIVE_MAX_ROWS)
 
     def extra_repr(self) -> str:
         return f"out_features={self.out_features}, scheme={self.scheme}, kernel={self.kernel}"

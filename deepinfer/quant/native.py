@@ -22,7 +22,7 @@ import torch
 from ..native_build import DISABLE_ENV, NativeExtension, build_extension
 from .packed import PackedWeight
 
-__all__ = ["DISABLE_ENV", "SOURCE", "native_kernel", "native_linear"]
+__all__ = ["DISABLE_ENV", "LINEAR_OP", "SOURCE", "linear_args", "native_kernel", "native_linear"]
 
 SOURCE = Path(__file__).parent / "csrc" / "qgemm.cpp"
 STEM = "deepinfer_qgemm"
@@ -47,5 +47,13 @@ def native_linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None, a
     the build has them."""
     # the resolved overload: the packet picks among overloads at every call (looked up here, not
     # at import, as the op exists only once the kernel is loaded)
-    return torch.ops.deepinfer_quant.linear.default(x, w.codes, w.scale, w.offset, bias, w.out_features, w.bits,
-                                                    act_bits, vnni, wide)
+    return torch.ops.deepinfer_quant.linear.default(x, *linear_args(w, bias, act_bits, vnni, wide))
+
+
+LINEAR_OP = "deepinfer_quant::linear"
+
+
+def linear_args(w: PackedWeight, bias: torch.Tensor | None, act_bits: int, vnni: bool = True,
+                wide: bool = True) -> tuple[torch.Tensor | int | bool | None, ...]:
+    """The arguments of ``LINEAR_OP`` after ``x`` (``native_linear``'s)."""
+    return w.codes, w.scale, w.offset, bias, w.out_features, w.bits, act_bits, vnni, wide

@@ -1,14 +1,15 @@
 """A Llama-family decode step runs exactly the ops this file spells out, with the same arguments:
 the decoder's hidden states equal, bit for bit, those of the op sequence below (the glue of the
 layers is cut for speed; what it calls must not move), in bfloat16 and float32, at 1, 8 and 32
-decodes, with q/k/v biases (Qwen2) and with int8 weights."""
+decodes, with q/k/v biases (Qwen2) and with int8 and int4 weights; and so do the native decode
+stack's (``models/llama_native.py``) wherever it is built."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 from transformers import Qwen2Config
 
-from deepinfer.layers.batch_rows_linear import BatchRowsLinear
+from deepinfer.layers.batch_rows_linear import BatchRowsLinear, batch_rows_usable
 from deepinfer.layers.prepacked_linear import PrepackedLinear
 from deepinfer.llm import LLM
 from deepinfer.request import Request
@@ -62,7 +63,7 @@ def reference_layer(layer, x: torch.Tensor, batch, kv: dict[str, torch.Tensor]) 
 @pytest.mark.parametrize("batch_size", [1, 8, 32])
 @pytest.mark.parametrize("dtype,quantization,family", [
     ("bfloat16", "none", "llama"), ("float32", "none", "llama"),
-    ("bfloat16", "none", "qwen2"), ("bfloat16", "int8", "llama"),
+    ("bfloat16", "none", "qwen2"), ("bfloat16", "int8", "llama"), ("float32", "int4", "qwen2"),
 ])
 def test_decode_step_runs_the_spelled_out_ops(request, native_kernels, tiny_llama, dtype, quantization,
                                               family, batch_size):
@@ -85,8 +86,14 @@ def test_decode_step_runs_the_spelled_out_ops(request, native_kernels, tiny_llam
     with torch.inference_mode():
         batch = runner.prepare(items).batch
         ours = model(batch, runner.kv_buffers)
+        stack = runner.decode_stack.forward(batch, runner.kv_buffers) if runner.decode_stack else None
         x = model.embed(batch.input_ids)
         for layer, kv in zip(model.model.layers, runner.kv_buffers):
             x = reference_layer(layer, x, batch, kv)
     assert ours.dtype == getattr(torch, dtype)
     assert torch.equal(ours, x)
+    # every linear with a native form: quantized, or bf16 on the batch-rows kernel
+    assert (stack is not None) == (quantization != "none" or (dtype == "bfloat16" and batch_rows_usable()))
+    if stack is not None:
+        assert runner.decode_stack.runs(batch)
+        assert torch.equal(stack, x)

@@ -1,0 +1,151 @@
+// A Llama-family decoder stack run for a decode-only step in one call from Python.
+//
+// At batch-1 decode a layer's arithmetic is a few tens of microseconds, and running its dozen
+// ops from Python (module calls, attribute lookups, checks, views, one dispatch per op) costs
+// about as much again. Here the layers are a list built once at load, and a step walks it in
+// C++: every op is the same registered op the Python layers call (norms, rotary and K/V store,
+// paged decode attention, each linear's own kernel), called through the dispatcher, in the same
+// order on the same inputs, so the hidden states are the same bits. The one difference is where
+// a layer's residual add goes: with the next layer's norm in one pass (``add_rms_norm``, whose
+// sum is rounded as torch's add rounds it).
+//
+// A linear is whatever op its module names: ``op(x, *args)`` with ``args`` bound at load (the
+// quantized kernel with its codes and scales, the batch-rows kernel with its packed weight, ...),
+// called boxed; the stack needs no knowledge of weight formats.
+
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/custom_class.h>
+#include <torch/library.h>
+
+#include <optional>
+#include <string>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+c10::OperatorHandle find_op(const std::string& qualified) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(qualified.c_str(), "");
+}
+
+// A registered op run on rows x: op(x, *args).
+struct BoundOp {
+  c10::OperatorHandle op;
+  std::vector<c10::IValue> args;
+
+  // spec: (qualified op name, tuple of the arguments after x)
+  static BoundOp from(const c10::IValue& spec) {
+    const auto& parts = spec.toTupleRef().elements();
+    TORCH_CHECK(parts.size() == 2, "a linear is (op name, args)");
+    const auto& args = parts[1].toTupleRef().elements();
+    return {find_op(parts[0].toStringRef()), std::vector<c10::IValue>(args.begin(), args.end())};
+  }
+
+  at::Tensor operator()(const at::Tensor& x) const {
+    torch::jit::Stack stack;
+    stack.reserve(args.size() + 1);
+    stack.emplace_back(x);
+    stack.insert(stack.end(), args.begin(), args.end());
+    op.callBoxed(&stack);
+    return std::move(stack[0]).toTensor();
+  }
+};
+
+struct Layer {
+  at::Tensor input_norm, post_norm;
+  BoundOp qkv, o, gate_up, down;
+  int64_t heads, kv_heads;
+  std::optional<int64_t> window;
+};
+
+using NormFn = at::Tensor(const at::Tensor&, const at::Tensor&, double);
+using AddNormFn = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&, double);
+using RotateStoreFn = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                         const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                         at::Tensor&, at::Tensor&, const at::Tensor&);
+using DecodeFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                            const at::Tensor&, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
+                            std::optional<int64_t>, double);
+using SiluMulFn = at::Tensor(const at::Tensor&);
+
+struct DecodeStack : torch::CustomClassHolder {
+  // cos / sin: the rotary tables every layer shares; eps and scale: the model's
+  DecodeStack(at::Tensor cos, at::Tensor sin, double eps, int64_t head_dim, double scale)
+      : cos_(std::move(cos)), sin_(std::move(sin)), eps_(eps), head_dim_(head_dim), scale_(scale),
+        norm_(find_op("deepinfer_ops::rms_norm").typed<NormFn>()),
+        add_norm_(find_op("deepinfer_ops::add_rms_norm").typed<AddNormFn>()),
+        rotate_store_(find_op("deepinfer_ops::rotate_store").typed<RotateStoreFn>()),
+        decode_(find_op("deepinfer_attention::paged_decode").typed<DecodeFn>()),
+        silu_mul_(find_op("deepinfer_ops::silu_mul").typed<SiluMulFn>()) {}
+
+  void add_layer(at::Tensor input_norm, at::Tensor post_norm, c10::IValue qkv, c10::IValue o, c10::IValue gate_up,
+                 c10::IValue down, int64_t heads, int64_t kv_heads, std::optional<int64_t> window) {
+    layers_.push_back({std::move(input_norm), std::move(post_norm), BoundOp::from(qkv), BoundOp::from(o),
+                       BoundOp::from(gate_up), BoundOp::from(down), heads, kv_heads, window});
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+  // x [T, hidden]: the step's embedded tokens, every one a decode -> the last layer's output
+  // (before the final norm); writes each layer's new K/V into its caches.
+  at::Tensor run(at::Tensor x, at::Tensor positions, at::Tensor slots, at::Tensor pages, at::Tensor kv_lens,
+                 std::optional<at::Tensor> kv_start, std::optional<at::Tensor> kv_lo, std::vector<at::Tensor> k_caches,
+                 std::vector<at::Tensor> v_caches) {
+    const int64_t L = num_layers(), T = x.size(0);
+    TORCH_CHECK(L > 0 && static_cast<int64_t>(k_caches.size()) == L && static_cast<int64_t>(v_caches.size()) == L,
+                "one K and one V cache per layer");
+    positions = positions.contiguous();
+    slots = slots.contiguous();
+    at::Tensor h = norm_.call(x.contiguous(), layers_[0].input_norm, eps_);
+    for (int64_t i = 0; i < L; ++i) {
+      const Layer& layer = layers_[i];
+      const at::Tensor heads = layer.qkv(h).view({T, -1, head_dim_});
+      auto [q, k] = rotate_store_.call(heads.narrow(1, 0, layer.heads), heads.narrow(1, layer.heads, layer.kv_heads),
+                                       heads.narrow(1, layer.heads + layer.kv_heads, layer.kv_heads), cos_, sin_,
+                                       positions, k_caches[i], v_caches[i], slots);
+      const at::Tensor attn = decode_.call(q.contiguous(), k_caches[i], v_caches[i], pages, kv_lens, kv_start, kv_lo,
+                                           layer.window, scale_);
+      std::tie(x, h) = add_norm_.call(x, layer.o(attn.reshape({T, -1})), layer.post_norm, eps_);
+      const at::Tensor mlp = layer.down(silu_mul(layer.gate_up(h)));
+      if (i + 1 < L)
+        std::tie(x, h) = add_norm_.call(x, mlp, layers_[i + 1].input_norm, eps_);
+      else
+        x = x + mlp;
+    }
+    return x;
+  }
+
+ private:
+  // silu(gate) * up as native_ops.silu_mul computes it: our op for bf16, torch's ops for float32
+  // (the bits transformers' float32 reference has)
+  at::Tensor silu_mul(const at::Tensor& gate_up) const {
+    if (gate_up.scalar_type() == at::kBFloat16) return silu_mul_.call(gate_up);
+    const auto halves = gate_up.chunk(2, -1);
+    return at::silu(halves[0]) * halves[1];
+  }
+
+  at::Tensor cos_, sin_;
+  double eps_;
+  int64_t head_dim_;
+  double scale_;
+  std::vector<Layer> layers_;
+  c10::TypedOperatorHandle<NormFn> norm_;
+  c10::TypedOperatorHandle<AddNormFn> add_norm_;
+  c10::TypedOperatorHandle<RotateStoreFn> rotate_store_;
+  c10::TypedOperatorHandle<DecodeFn> decode_;
+  c10::TypedOperatorHandle<SiluMulFn> silu_mul_;
+};
+
+std::string isa() { return "cpu"; }
+
+}  // namespace
+
+TORCH_LIBRARY(deepinfer_stack, m) {
+  m.class_<DecodeStack>("DecodeStack")
+      .def(torch::init<at::Tensor, at::Tensor, double, int64_t, double>())
+      .def("add_layer", &DecodeStack::add_layer)
+      .def("num_layers", &DecodeStack::num_layers)
+      .def("run", &DecodeStack::run);
+  m.def("isa() -> str", &isa);
+}

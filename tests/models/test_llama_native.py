@@ -1,0 +1,51 @@
+"""The native decode stack (``models/llama_native.py``) end to end: which models and steps take it,
+and the tokens it gives (its bits, op by op, are checked in test_decode_ops.py)."""
+
+import pytest
+from transformers import Qwen3Config
+
+from deepinfer.llm import LLM
+from deepinfer.models.llama_native import NativeDecodeStack
+from deepinfer.sampling_params import SamplingParams
+from tiny_checkpoints import make_checkpoint
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+PROMPTS = ["the cache", "a much longer prompt about the cache and the pages it holds", "pages"]
+
+
+def engine(path, **kwargs) -> LLM:
+    return LLM(str(path), quantization="int4", progress=False, host_cache_gb=0, enable_disk_cache=False, **kwargs)
+
+
+def test_decode_steps_take_the_stack_and_give_the_eager_tokens(tiny_llama, monkeypatch):
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    eager = engine(tiny_llama, enforce_eager=True)
+    assert eager.engine.runner.decode_stack is None
+    expected = [o.token_ids for o in eager.generate(PROMPTS, params)]
+
+    llm = engine(tiny_llama)
+    stack = llm.engine.runner.decode_stack
+    assert stack is not None
+    seen = []  # (decodes, whether the stack ran) per step
+    runs = NativeDecodeStack.runs
+
+    def spied(self, batch):
+        ran = runs(self, batch)
+        seen.append((batch.num_decodes, batch.num_tokens, ran))
+        return ran
+
+    monkeypatch.setattr(NativeDecodeStack, "runs", spied)
+    assert [o.token_ids for o in llm.generate(PROMPTS, params)] == expected
+    assert any(ran and decodes == 3 for decodes, _, ran in seen)  # the three decoding together
+    assert all(ran == (decodes == tokens) for decodes, tokens, ran in seen)  # a prefill: the modules
+
+
+def test_layers_it_cannot_run_keep_the_modules(tmp_path):
+    cfg = Qwen3Config(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
+                      tie_word_embeddings=False)
+    qwen3 = make_checkpoint(tmp_path / "qwen3", cfg)  # per-head q/k norms: not in the stack
+    llm = engine(qwen3)
+    assert llm.engine.runner.decode_stack is None
+    assert len(llm.generate(["the cache"], SamplingParams(max_tokens=3, temperature=0))[0].token_ids) == 3
