@@ -80,7 +80,8 @@ class LLMEngine:
                                 f"{str(self.runner.dtype).removeprefix('torch.')} ({config.dtype}); "
                                 f"{self.thread_policy.describe()}"
                                 f"{'' if config.fixed_threads else ', fewer where other processes take cores'}; "
-                                f"{quant.describe()}")
+                                f"{quant.describe()}; decode steps: "
+                                f"{'native stack' if self.runner.decode_stack else 'modules'}")
         if config.progress:
             print(f"deepinfer: {self.startup_summary}", file=sys.stderr)
         self.tiers = build_tiers(config, self.runner.pool, self.model_identity)
