@@ -8,7 +8,7 @@ decode-only step walks them in C++, calling the very ops the modules call, so th
 are the same bits (tested). It is the CPU counterpart of capturing the decode step as a CUDA
 graph, and ``--enforce-eager`` turns it off likewise.
 
-It applies to Llama-family models (Llama, Qwen2, Mistral) whose every layer owns its KV cache
+It applies to Llama-family models (Llama, Qwen2, Qwen3, Mistral) whose every layer owns its KV cache
 and runs natively here: small ops and paged decode attention built, float32 or bf16 on the
 CPU, every linear a kernel with a ``native()`` form (quantized, or bf16 batch rows). Steps with a
 prefill, ring views, layer-wise loads or the torch attention backend take the modules.
@@ -27,6 +27,7 @@ from ..layers.batch_rows_linear import BatchRowsLinear
 from ..layers.linear import NativeLinear
 from ..layers.native_decode import native_decode_kernel
 from ..layers.native_ops import NATIVE_DTYPES, small_ops_kernel
+from ..layers.norm import RMSNorm
 from ..native_build import NativeExtension, build_extension
 from ..quant.linear import QuantizedLinear
 from .llama import DecoderLayer, LlamaAttention, LlamaForCausalLM, LlamaMLP
@@ -86,10 +87,15 @@ def _layer_fits(layer: nn.Module, dtype: torch.dtype) -> bool:
             and isinstance(layer.mlp, LlamaMLP)):
         return False
     attn = layer.self_attn
-    norms = (layer.input_layernorm, layer.post_attention_layernorm)
-    return (attn.share_with is None and not attn.qk_norm and not attn.rotary.interleaved
+    norms = (layer.input_layernorm, layer.post_attention_layernorm) + _head_norms(attn)
+    return (attn.share_with is None and not attn.rotary.interleaved
             and attn.rotary.rot_dim == attn.head_dim and attn.rotary.cos.is_cpu
             and all(not n.unit_offset and n.weight.is_cpu for n in norms) and dtype in NATIVE_DTYPES)
+
+
+def _head_norms(attn: LlamaAttention) -> tuple[RMSNorm, ...]:
+    """Qwen3's per-head q and k norms (none elsewhere)."""
+    return (attn.q_norm, attn.k_norm) if attn.qk_norm else ()
 
 
 def build_decode_stack(model: nn.Module, dtype: torch.dtype) -> NativeDecodeStack | None:
@@ -106,13 +112,16 @@ def build_decode_stack(model: nn.Module, dtype: torch.dtype) -> NativeDecodeStac
     first = layers[0].self_attn
     if any(layer.self_attn.rotary is not first.rotary for layer in layers):
         return None
-    eps = {n.eps for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm)}
+    eps = {n.eps for layer in layers
+           for n in (layer.input_layernorm, layer.post_attention_layernorm, *_head_norms(layer.self_attn))}
     if len(eps) != 1 or len({layer.self_attn.scale for layer in layers}) != 1:
         return None
     stack = torch.classes.deepinfer_stack.DecodeStack(first.rotary.cos, first.rotary.sin, eps.pop(),
                                                       first.head_dim, first.scale)
     for layer, linears in zip(layers, natives):
         attn = layer.self_attn
+        head_norms = [n.weight.detach() for n in _head_norms(attn)] or [None, None]
         stack.add_layer(layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
-                        *((n.op, n.args) for n in linears), attn.num_heads, attn.num_kv_heads, attn.window)
+                        *head_norms, *((n.op, n.args) for n in linears), attn.num_heads, attn.num_kv_heads,
+                        attn.window)
     return NativeDecodeStack(model, stack, max_rows=min(n.max_rows for row in natives for n in row))

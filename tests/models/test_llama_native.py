@@ -2,12 +2,10 @@
 and the tokens it gives (its bits, op by op, are checked in test_decode_ops.py)."""
 
 import pytest
-from transformers import Qwen3Config
-
 from deepinfer.llm import LLM
 from deepinfer.models.llama_native import NativeDecodeStack
 from deepinfer.sampling_params import SamplingParams
-from tiny_checkpoints import make_checkpoint
+from tiny_checkpoints import make_checkpoint, tiny_llama_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -42,10 +40,8 @@ def test_decode_steps_take_the_stack_and_give_the_eager_tokens(tiny_llama, monke
 
 
 def test_layers_it_cannot_run_keep_the_modules(tmp_path):
-    cfg = Qwen3Config(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
-                      tie_word_embeddings=False)
-    qwen3 = make_checkpoint(tmp_path / "qwen3", cfg)  # per-head q/k norms: not in the stack
-    llm = engine(qwen3)
+    cfg = tiny_llama_config(cross_layer_kv_share=2)  # layer 1 reads layer 0's cache: not in the stack
+    shared = make_checkpoint(tmp_path / "shared", cfg)
+    llm = engine(shared)
     assert llm.engine.runner.decode_stack is None
     assert len(llm.generate(["the cache"], SamplingParams(max_tokens=3, temperature=0))[0].token_ids) == 3

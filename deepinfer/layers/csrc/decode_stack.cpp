@@ -54,6 +54,7 @@ struct BoundOp {
 
 struct Layer {
   at::Tensor input_norm, post_norm;
+  std::optional<at::Tensor> q_norm, k_norm;  // per-head RMSNorm of q and k (Qwen3)
   BoundOp qkv, o, gate_up, down;
   int64_t heads, kv_heads;
   std::optional<int64_t> window;
@@ -79,10 +80,13 @@ struct DecodeStack : torch::CustomClassHolder {
         decode_(find_op("deepinfer_attention::paged_decode").typed<DecodeFn>()),
         silu_mul_(find_op("deepinfer_ops::silu_mul").typed<SiluMulFn>()) {}
 
-  void add_layer(at::Tensor input_norm, at::Tensor post_norm, c10::IValue qkv, c10::IValue o, c10::IValue gate_up,
-                 c10::IValue down, int64_t heads, int64_t kv_heads, std::optional<int64_t> window) {
-    layers_.push_back({std::move(input_norm), std::move(post_norm), BoundOp::from(qkv), BoundOp::from(o),
-                       BoundOp::from(gate_up), BoundOp::from(down), heads, kv_heads, window});
+  void add_layer(at::Tensor input_norm, at::Tensor post_norm, std::optional<at::Tensor> q_norm,
+                 std::optional<at::Tensor> k_norm, c10::IValue qkv, c10::IValue o, c10::IValue gate_up, c10::IValue down,
+                 int64_t heads, int64_t kv_heads, std::optional<int64_t> window) {
+    TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "q and k are normed together");
+    layers_.push_back({std::move(input_norm), std::move(post_norm), std::move(q_norm), std::move(k_norm),
+                       BoundOp::from(qkv), BoundOp::from(o), BoundOp::from(gate_up), BoundOp::from(down), heads,
+                       kv_heads, window});
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
@@ -101,9 +105,13 @@ struct DecodeStack : torch::CustomClassHolder {
     for (int64_t i = 0; i < L; ++i) {
       const Layer& layer = layers_[i];
       const at::Tensor heads = layer.qkv(h).view({T, -1, head_dim_});
-      auto [q, k] = rotate_store_.call(heads.narrow(1, 0, layer.heads), heads.narrow(1, layer.heads, layer.kv_heads),
-                                       heads.narrow(1, layer.heads + layer.kv_heads, layer.kv_heads), cos_, sin_,
-                                       positions, k_caches[i], v_caches[i], slots);
+      at::Tensor q = heads.narrow(1, 0, layer.heads), k = heads.narrow(1, layer.heads, layer.kv_heads);
+      if (layer.q_norm) {
+        q = head_norm(q, *layer.q_norm);
+        k = head_norm(k, *layer.k_norm);
+      }
+      std::tie(q, k) = rotate_store_.call(q, k, heads.narrow(1, layer.heads + layer.kv_heads, layer.kv_heads), cos_,
+                                          sin_, positions, k_caches[i], v_caches[i], slots);
       const at::Tensor attn = decode_.call(q.contiguous(), k_caches[i], v_caches[i], pages, kv_lens, kv_start, kv_lo,
                                            layer.window, scale_);
       std::tie(x, h) = add_norm_.call(x, layer.o(attn.reshape({T, -1})), layer.post_norm, eps_);
@@ -117,6 +125,11 @@ struct DecodeStack : torch::CustomClassHolder {
   }
 
  private:
+  // RMSNorm of each head of x [T, heads, D], as RMSNorm.forward runs it on a 3-D input
+  at::Tensor head_norm(const at::Tensor& x, const at::Tensor& w) const {
+    return norm_.call(x.reshape({-1, x.size(2)}).contiguous(), w, eps_).view(x.sizes());
+  }
+
   // silu(gate) * up as native_ops.silu_mul computes it: our op for bf16, torch's ops for float32
   // (the bits transformers' float32 reference has)
   at::Tensor silu_mul(const at::Tensor& gate_up) const {
