@@ -57,7 +57,7 @@ class NativeDecodeStack:
 
     def runs(self, batch: ForwardBatch) -> bool:
         """Whether ``batch`` is a step the stack computes: decodes only, on the paged caches."""
-        return (not batch.prefills and batch.num_decodes == batch.num_tokens <= self.max_rows
+        return (not batch.prefills and 0 < batch.num_decodes == batch.num_tokens <= self.max_rows
                 and batch.window_view is None and not batch.layer_loads and batch.attention_backend == "auto")
 
     def forward(self, batch: ForwardBatch, kv: list[dict[str, torch.Tensor]]) -> torch.Tensor:
