@@ -87,8 +87,10 @@ def _layer_fits(layer: nn.Module, dtype: torch.dtype) -> bool:
             and isinstance(layer.mlp, LlamaMLP)):
         return False
     attn = layer.self_attn
+    if attn.share_with is not None:  # (such a layer has no k projection, nor a k norm)
+        return False
     norms = (layer.input_layernorm, layer.post_attention_layernorm) + _head_norms(attn)
-    return (attn.share_with is None and not attn.rotary.interleaved
+    return (not attn.rotary.interleaved
             and attn.rotary.rot_dim == attn.head_dim and attn.rotary.cos.is_cpu
             and all(not n.unit_offset and n.weight.is_cpu for n in norms) and dtype in NATIVE_DTYPES)
 
