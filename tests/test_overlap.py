@@ -61,13 +61,15 @@ def mixed_params(llm):
     ]
 
 
-@pytest.mark.parametrize("prefix_cache", [False, True])
-def test_outputs_identical_with_overlap_on_and_off(tiny_llama, prefix_cache):
+@pytest.mark.parametrize("prefix_cache,quantization", [(False, "none"), (True, "none"), (True, "int4")])
+def test_outputs_identical_with_overlap_on_and_off(tiny_llama, prefix_cache, quantization):
+    """(int4: the decode steps run the native decode stack, models/llama_native.py)"""
     stop_prompt = prompts(1, 11, seed=50)[0]  # the stop kinds (params 3, 4) are set for this one
     ps = prompts(3, 30, seed=1, shared=12) + [stop_prompt, stop_prompt] + prompts(1, 17, seed=2)
     results = []
     for overlap in (False, True):
-        llm = make(tiny_llama, overlap, enable_prefix_cache=prefix_cache)
+        llm = make(tiny_llama, overlap, enable_prefix_cache=prefix_cache, quantization=quantization)
+        assert (llm.engine.runner.decode_stack is not None) == (quantization == "int4")
         params = mixed_params(llm)
         first = llm.generate(ps, params[0])
         per_kind = [llm.generate(ps[i], p)[0] for i, p in enumerate(params)]

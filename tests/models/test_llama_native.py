@@ -39,6 +39,16 @@ def test_decode_steps_take_the_stack_and_give_the_eager_tokens(tiny_llama, monke
     assert all(ran == (decodes == tokens) for decodes, tokens, ran in seen)  # a prefill: the modules
 
 
+def test_stack_tokens_the_same_on_one_or_two_threads(tiny_llama, threads):
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    outs = []
+    for n in (1, 2):
+        llm = engine(tiny_llama, threads=n, fixed_threads=True)
+        assert llm.engine.runner.decode_stack is not None
+        outs.append([o.token_ids for o in llm.generate(PROMPTS, params)])
+    assert outs[0] == outs[1]
+
+
 def test_layers_it_cannot_run_keep_the_modules(tmp_path):
     cfg = tiny_llama_config(cross_layer_kv_share=2)  # layer 1 reads layer 0's cache: not in the stack
     shared = make_checkpoint(tmp_path / "shared", cfg)
