@@ -1,17 +1,19 @@
-"""The Llama family's decode step as one native call (``layers/csrc/decode_stack.cpp``).
+"""The Llama family's decode steps as one native call (``layers/csrc/decode_stack.cpp``).
 
 At batch-1 decode SmolLM2's 30 layers each run a dozen ops of a few microseconds, and the
 Python around them (module calls, checks, views, one dispatch per op) cost about a third of the
 step (docs/figures/execution.md). ``NativeDecodeStack`` is built once at load from the loaded
-layers: their norm weights, rotary tables and each linear's own kernel (``NativeLinear``), and a
-decode-only step walks them in C++, calling the very ops the modules call, so the hidden states
-are the same bits (tested). It is the CPU counterpart of capturing the decode step as a CUDA
-graph, and ``--enforce-eager`` turns it off likewise.
+layers: their norm weights, rotary tables and each linear's own kernel (``NativeLinear``). A step
+of decodes and short spans (speculative verify spans, prefill tails of up to ``SPAN_AS_DECODES``
+tokens, whose rows attend as decodes) walks them in C++, calling the very ops the modules call,
+so the hidden states are the same bits (tested). It is the CPU counterpart of capturing the
+decode step as a CUDA graph, and ``--enforce-eager`` turns it off likewise.
 
-It applies to Llama-family models (Llama, Qwen2, Qwen3, Mistral) whose every layer owns its KV cache
-and runs natively here: small ops and paged decode attention built, float32 or bf16 on the
+It applies to Llama-family models (Llama, Qwen2, Qwen3, Mistral) whose every layer owns its KV
+cache and runs natively here: small ops and paged decode attention built, float32 or bf16 on the
 CPU, every linear a kernel with a ``native()`` form (quantized, or bf16 batch rows). Steps with a
-prefill, ring views, layer-wise loads or the torch attention backend take the modules.
+longer prefill chunk, ring views, layer-wise loads or the torch attention backend take the
+modules.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 from torch import nn
 
 from ..forward_batch import ForwardBatch
+from ..layers.attention import SPAN_AS_DECODES
 from ..layers.batch_rows_linear import BatchRowsLinear
 from ..layers.linear import NativeLinear
 from ..layers.native_decode import native_decode_kernel
@@ -56,8 +59,9 @@ class NativeDecodeStack:
         self._caches: tuple[list, list[torch.Tensor], list[torch.Tensor]] | None = None
 
     def runs(self, batch: ForwardBatch) -> bool:
-        """Whether ``batch`` is a step the stack computes: decodes only, on the paged caches."""
-        return (not batch.prefills and 0 < batch.num_decodes == batch.num_tokens <= self.max_rows
+        """Whether ``batch`` is a step the stack computes: decodes and spans short enough to run
+        as decodes (verify spans, short prefill tails), on the paged caches."""
+        return (0 < batch.num_tokens <= self.max_rows and all(s.q_len <= SPAN_AS_DECODES for s in batch.prefills)
                 and batch.window_view is None and not batch.layer_loads and batch.attention_backend == "auto")
 
     def forward(self, batch: ForwardBatch, kv: list[dict[str, torch.Tensor]]) -> torch.Tensor:
@@ -66,8 +70,10 @@ class NativeDecodeStack:
         if self._caches is None or self._caches[0] is not kv:  # the runner's buffers: listed once
             self._caches = (kv, [layer["k"] for layer in kv], [layer["v"] for layer in kv])
         _, k_caches, v_caches = self._caches
-        return self.stack.run(self.embed(batch.input_ids), batch.positions, batch.slot_mapping, batch.decode_pages,
-                              batch.decode_kv_lens, batch.decode_kv_start, batch.decode_kv_lo, k_caches, v_caches)
+        spans = [n for s in batch.prefills for n in (s.q_start, s.q_len, s.kv_len, s.kv_start, s.kv_lo)]
+        return self.stack.run(self.embed(batch.input_ids), batch.positions, batch.slot_mapping, batch.num_decodes,
+                              batch.decode_pages, batch.decode_kv_lens, batch.decode_kv_start, batch.decode_kv_lo,
+                              spans, [s.pages for s in batch.prefills], k_caches, v_caches)
 
 
 def _linears(layer: DecoderLayer) -> list[nn.Module]:

@@ -1,10 +1,13 @@
 """The native decode stack (``models/llama_native.py``) end to end: which models and steps take it,
-and the tokens it gives (its bits, op by op, are checked in test_decode_ops.py)."""
+and the bits and tokens it gives (op by op, against the spelled-out ops: test_decode_ops.py)."""
 
 import pytest
+import torch
+from deepinfer.forward_batch import ForwardBatch, PrefillSegment
+from deepinfer.layers.attention import SPAN_AS_DECODES
 from deepinfer.llm import LLM
-from deepinfer.models.llama_native import NativeDecodeStack
 from deepinfer.sampling_params import SamplingParams
+from deepinfer.spec.config import SpeculativeConfig
 from tiny_checkpoints import make_checkpoint, tiny_llama_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -16,27 +19,52 @@ def engine(path, **kwargs) -> LLM:
     return LLM(str(path), quantization="int4", progress=False, host_cache_gb=0, enable_disk_cache=False, **kwargs)
 
 
-def test_decode_steps_take_the_stack_and_give_the_eager_tokens(tiny_llama, monkeypatch):
-    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    eager = engine(tiny_llama, enforce_eager=True)
+def test_steps_it_runs_give_the_modules_bits_and_the_eager_tokens(tiny_llama, monkeypatch):
+    """Decodes, speculative verify spans and short prefill tails through the stack: each such
+    step's hidden states equal the modules' on the same batch, bit for bit, and the tokens equal
+    ``--enforce-eager``'s."""
+    spec = SpeculativeConfig(method="ngram", scheduled=False, num_tokens=4)
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    prompts = PROMPTS + ["pages pages pages pages pages pages"]  # repeats: ngram drafts
+    eager = engine(tiny_llama, enforce_eager=True, speculative_config=spec)
     assert eager.engine.runner.decode_stack is None
-    expected = [o.token_ids for o in eager.generate(PROMPTS, params)]
+    expected = [o.token_ids for o in eager.generate(prompts, params)]
 
-    llm = engine(tiny_llama)
-    stack = llm.engine.runner.decode_stack
+    llm = engine(tiny_llama, speculative_config=spec)
+    runner = llm.engine.runner
+    stack = runner.decode_stack
     assert stack is not None
-    seen = []  # (decodes, whether the stack ran) per step
-    runs = NativeDecodeStack.runs
+    ran = []  # (decodes, spans) of each step the stack ran
+    forward = stack.forward
 
-    def spied(self, batch):
-        ran = runs(self, batch)
-        seen.append((batch.num_decodes, batch.num_tokens, ran))
-        return ran
+    def checked(batch, kv):
+        hidden = forward(batch, kv)
+        assert torch.equal(hidden, runner.model(batch, kv))  # (rewrites the same K/V)
+        ran.append((batch.num_decodes, len(batch.prefills)))
+        return hidden
 
-    monkeypatch.setattr(NativeDecodeStack, "runs", spied)
-    assert [o.token_ids for o in llm.generate(PROMPTS, params)] == expected
-    assert any(ran and decodes == 3 for decodes, _, ran in seen)  # the three decoding together
-    assert all(ran == (decodes == tokens) for decodes, tokens, ran in seen)  # a prefill: the modules
+    monkeypatch.setattr(stack, "forward", checked)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+    assert any(d > 1 for d, _ in ran)  # decodes batched
+    assert any(s for _, s in ran)  # spans (verify spans) too
+    # a turn's short tail after a cached prefix: its prefill step is the stack's too
+    before = len(ran)
+    turn = llm.generate([PROMPTS[1] + " more"], params)[0]
+    assert turn.num_cached_tokens and turn.num_computed_tokens <= SPAN_AS_DECODES
+    assert ran[before] == (0, 1)
+
+
+def test_long_prefill_chunks_keep_the_modules(tiny_llama):
+    stack = engine(tiny_llama).engine.runner.decode_stack
+    segment = PrefillSegment(q_start=0, q_len=SPAN_AS_DECODES + 1, kv_len=SPAN_AS_DECODES + 1,
+                             pages=torch.zeros(2, dtype=torch.long))
+    batch = ForwardBatch(input_ids=torch.zeros(SPAN_AS_DECODES + 1, dtype=torch.long), positions=None,
+                         slot_mapping=None, page_size=16, num_decodes=0, decode_pages=None, decode_kv_lens=None,
+                         prefills=[segment], logits_indices=None)
+    assert not stack.runs(batch)
+    segment.q_len = SPAN_AS_DECODES
+    batch.input_ids = batch.input_ids[:SPAN_AS_DECODES]
+    assert stack.runs(batch)
 
 
 def test_stack_tokens_the_same_on_one_or_two_threads(tiny_llama, threads):

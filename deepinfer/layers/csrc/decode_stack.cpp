@@ -1,4 +1,4 @@
-// A Llama-family decoder stack run for a decode-only step in one call from Python.
+// A Llama-family decoder stack run for a step of decodes and short spans in one call from Python.
 //
 // At batch-1 decode a layer's arithmetic is a few tens of microseconds, and running its dozen
 // ops from Python (module calls, attribute lookups, checks, views, one dispatch per op) costs
@@ -68,6 +68,8 @@ using RotateStoreFn = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, cons
 using DecodeFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                             const at::Tensor&, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
                             std::optional<int64_t>, double);
+using SpanFn = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t,
+                          int64_t, std::optional<int64_t>, double);
 using SiluMulFn = at::Tensor(const at::Tensor&);
 
 struct DecodeStack : torch::CustomClassHolder {
@@ -78,6 +80,7 @@ struct DecodeStack : torch::CustomClassHolder {
         add_norm_(find_op("deepinfer_ops::add_rms_norm").typed<AddNormFn>()),
         rotate_store_(find_op("deepinfer_ops::rotate_store").typed<RotateStoreFn>()),
         decode_(find_op("deepinfer_attention::paged_decode").typed<DecodeFn>()),
+        span_(find_op("deepinfer_attention::paged_span").typed<SpanFn>()),
         silu_mul_(find_op("deepinfer_ops::silu_mul").typed<SiluMulFn>()) {}
 
   void add_layer(at::Tensor input_norm, at::Tensor post_norm, std::optional<at::Tensor> q_norm,
@@ -91,14 +94,21 @@ struct DecodeStack : torch::CustomClassHolder {
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
-  // x [T, hidden]: the step's embedded tokens, every one a decode -> the last layer's output
-  // (before the final norm); writes each layer's new K/V into its caches.
-  at::Tensor run(at::Tensor x, at::Tensor positions, at::Tensor slots, at::Tensor pages, at::Tensor kv_lens,
-                 std::optional<at::Tensor> kv_start, std::optional<at::Tensor> kv_lo, std::vector<at::Tensor> k_caches,
-                 std::vector<at::Tensor> v_caches) {
+  // x [T, hidden]: the step's embedded tokens, the decodes first (``pages`` ... ``kv_lo`` their
+  // page tables, when there are any), then short spans of other sequences (a verify span, a
+  // short prefill tail), span i being ``spans[5i:5i+5]`` = (first row, rows, kv_len, kv_start,
+  // kv_lo) over ``span_pages[i]`` -> the last layer's output (before the final norm); writes
+  // each layer's new K/V into its caches.
+  at::Tensor run(at::Tensor x, at::Tensor positions, at::Tensor slots, int64_t num_decodes,
+                 std::optional<at::Tensor> pages, std::optional<at::Tensor> kv_lens, std::optional<at::Tensor> kv_start,
+                 std::optional<at::Tensor> kv_lo, std::vector<int64_t> spans, std::vector<at::Tensor> span_pages,
+                 std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches) {
     const int64_t L = num_layers(), T = x.size(0);
     TORCH_CHECK(L > 0 && static_cast<int64_t>(k_caches.size()) == L && static_cast<int64_t>(v_caches.size()) == L,
                 "one K and one V cache per layer");
+    TORCH_CHECK(spans.size() == 5 * span_pages.size(), "five numbers per span");
+    TORCH_CHECK(num_decodes == 0 || (pages && kv_lens), "decodes need their page tables");
+    const Step step{num_decodes, pages, kv_lens, kv_start, kv_lo, spans, span_pages};
     positions = positions.contiguous();
     slots = slots.contiguous();
     at::Tensor h = norm_.call(x.contiguous(), layers_[0].input_norm, eps_);
@@ -112,8 +122,7 @@ struct DecodeStack : torch::CustomClassHolder {
       }
       std::tie(q, k) = rotate_store_.call(q, k, heads.narrow(1, layer.heads + layer.kv_heads, layer.kv_heads), cos_,
                                           sin_, positions, k_caches[i], v_caches[i], slots);
-      const at::Tensor attn = decode_.call(q.contiguous(), k_caches[i], v_caches[i], pages, kv_lens, kv_start, kv_lo,
-                                           layer.window, scale_);
+      const at::Tensor attn = attention(step, q, k_caches[i], v_caches[i], layer.window);
       std::tie(x, h) = add_norm_.call(x, layer.o(attn.reshape({T, -1})), layer.post_norm, eps_);
       const at::Tensor mlp = layer.down(silu_mul(layer.gate_up(h)));
       if (i + 1 < L)
@@ -125,6 +134,37 @@ struct DecodeStack : torch::CustomClassHolder {
   }
 
  private:
+  struct Step {  // what attention reads of the step's batch
+    int64_t num_decodes;
+    const std::optional<at::Tensor>& pages;
+    const std::optional<at::Tensor>& kv_lens;
+    const std::optional<at::Tensor>& kv_start;
+    const std::optional<at::Tensor>& kv_lo;
+    const std::vector<int64_t>& spans;
+    const std::vector<at::Tensor>& span_pages;
+  };
+
+  // Every row's attention as attention.paged_attention computes it: the decodes by the decode
+  // kernel, each span's rows by its span variant (a decode's bits at each position).
+  at::Tensor attention(const Step& step, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                       std::optional<int64_t> window) const {
+    const int64_t T = q.size(0), nd = step.num_decodes;
+    auto decodes = [&](const at::Tensor& rows) {
+      return decode_.call(rows.contiguous(), k_cache, v_cache, *step.pages, *step.kv_lens, step.kv_start, step.kv_lo,
+                          window, scale_);
+    };
+    if (nd == T) return decodes(q);  // decodes only: no output buffer to copy them into
+    at::Tensor out = at::empty({T, q.size(1), v_cache.size(-1)}, q.options());
+    if (nd) out.narrow(0, 0, nd).copy_(decodes(q.narrow(0, 0, nd)));
+    for (size_t s = 0; s < step.span_pages.size(); ++s) {
+      const int64_t* span = step.spans.data() + 5 * s;
+      out.narrow(0, span[0], span[1]).copy_(span_.call(q.narrow(0, span[0], span[1]).contiguous(), k_cache, v_cache,
+                                                        step.span_pages[s], span[2], span[3], span[4], window,
+                                                        scale_));
+    }
+    return out;
+  }
+
   // RMSNorm of each head of x [T, heads, D], as RMSNorm.forward runs it on a 3-D input
   at::Tensor head_norm(const at::Tensor& x, const at::Tensor& w) const {
     return norm_.call(x.reshape({-1, x.size(2)}).contiguous(), w, eps_).view(x.sizes());
@@ -147,6 +187,7 @@ struct DecodeStack : torch::CustomClassHolder {
   c10::TypedOperatorHandle<AddNormFn> add_norm_;
   c10::TypedOperatorHandle<RotateStoreFn> rotate_store_;
   c10::TypedOperatorHandle<DecodeFn> decode_;
+  c10::TypedOperatorHandle<SpanFn> span_;
   c10::TypedOperatorHandle<SiluMulFn> silu_mul_;
 };
 
