@@ -53,7 +53,7 @@ class ModelRunner:
         self.quant_plan = plan_quantization(config.quantization, config.quantization_kernel,
                                             self.device, self.dtype)
         self.model = self._build_model(ckpt, max_model_len)
-        # decode-only steps in one native call where the model allows (models/llama_native.py)
+        # steps of decodes and short spans in one native call where the model allows (models/llama_native.py)
         self.decode_stack = None if config.enforce_eager else build_decode_stack(self.model, self.dtype)
         self.specs = self.model.kv_specs()
         self.page_size = config.page_size
