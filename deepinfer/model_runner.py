@@ -53,8 +53,6 @@ class ModelRunner:
         self.quant_plan = plan_quantization(config.quantization, config.quantization_kernel,
                                             self.device, self.dtype)
         self.model = self._build_model(ckpt, max_model_len)
-        # steps of decodes and short spans in one native call where the model allows (models/llama_native.py)
-        self.decode_stack = None if config.enforce_eager else build_decode_stack(self.model, self.dtype)
         self.specs = self.model.kv_specs()
         self.page_size = config.page_size
         self.device_kv = build_device_kv(config, self.specs, max_model_len, self.dtype, self.device)
@@ -62,6 +60,9 @@ class ModelRunner:
         self.window = self.device_kv.window  # sliding-window rings (kv/window/), if any
         self.window_layout = self.window.layout if self.window is not None else None
         self.kv_buffers = self.device_kv.layer_buffers(len(self.specs))
+        # steps of decodes and short spans in one native call where the model allows (models/llama_native.py)
+        self.decode_stack = None if config.enforce_eager else build_decode_stack(self.model, self.dtype,
+                                                                                 self.kv_buffers)
         self.workspace = Workspace()  # gathered decode K/V, shared by every layer and step
 
     def _build_model(self, ckpt: Checkpoint, max_model_len: int):
@@ -182,7 +183,7 @@ class ModelRunner:
     def hidden(self, batch: ForwardBatch) -> torch.Tensor:
         """The model's hidden states [T, hidden] of the step's new tokens (their KV written)."""
         if self.decode_stack is not None and self.decode_stack.runs(batch):
-            return self.decode_stack.forward(batch, self.kv_buffers)
+            return self.decode_stack.forward(batch)
         return self.model(batch, self.kv_buffers)
 
     @torch.inference_mode()

@@ -17,6 +17,7 @@ kernel did not build (``DEEPINFER_NO_NATIVE_KERNELS=1``, no compiler, no AVX512-
 
 from __future__ import annotations
 
+import sys
 from functools import cache
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from .linear import NativeLinear, WrappedLinear, replace_module
 SOURCE = Path(__file__).parent / "csrc" / "batch_rows.cpp"
 STEM = "deepinfer_batch_rows"
 KERNEL_ISA = "avx512_bf16"
+LINEAR_OP = "deepinfer_batch::linear"
 
 
 @cache
@@ -72,8 +74,7 @@ class BatchRowsLinear(WrappedLinear):
         return y.view(*x.shape[:-1], self.out_features)
 
     def native(self) -> NativeLinear:
-        return NativeLinear("deepinfer_batch::linear", (self.packed, self.packed_bias, self.out_features),
-                            max_rows=2**31 - 1)
+        return NativeLinear(LINEAR_OP, (self.packed, self.packed_bias, self.out_features), max_rows=sys.maxsize)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, kernel=batch_rows"

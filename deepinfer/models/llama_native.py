@@ -56,7 +56,6 @@ class NativeDecodeStack:
         self.embed = model.embed
         self.stack = stack
         self.max_rows = max_rows
-        self._caches: tuple[list, list[torch.Tensor], list[torch.Tensor]] | None = None
 
     def runs(self, batch: ForwardBatch) -> bool:
         """Whether ``batch`` is a step the stack computes: decodes and spans short enough to run
@@ -64,16 +63,14 @@ class NativeDecodeStack:
         return (0 < batch.num_tokens <= self.max_rows and all(s.q_len <= SPAN_AS_DECODES for s in batch.prefills)
                 and batch.window_view is None and not batch.layer_loads and batch.attention_backend == "auto")
 
-    def forward(self, batch: ForwardBatch, kv: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """Hidden states [T, hidden] of the step's tokens (before the final norm), as
-        ``model(batch, kv)`` computes them; writes their KV into ``kv``."""
-        if self._caches is None or self._caches[0] is not kv:  # the runner's buffers: listed once
-            self._caches = (kv, [layer["k"] for layer in kv], [layer["v"] for layer in kv])
-        _, k_caches, v_caches = self._caches
+        ``model(batch, kv)`` computes them over the caches the stack was built with; writes
+        their KV there."""
         spans = [n for s in batch.prefills for n in (s.q_start, s.q_len, s.kv_len, s.kv_start, s.kv_lo)]
         return self.stack.run(self.embed(batch.input_ids), batch.positions, batch.slot_mapping, batch.num_decodes,
                               batch.decode_pages, batch.decode_kv_lens, batch.decode_kv_start, batch.decode_kv_lo,
-                              spans, [s.pages for s in batch.prefills], k_caches, v_caches)
+                              spans, [s.pages for s in batch.prefills])
 
 
 def _linears(layer: DecoderLayer) -> list[nn.Module]:
@@ -106,9 +103,11 @@ def _head_norms(attn: LlamaAttention) -> tuple[RMSNorm, ...]:
     return (attn.q_norm, attn.k_norm) if attn.qk_norm else ()
 
 
-def build_decode_stack(model: nn.Module, dtype: torch.dtype) -> NativeDecodeStack | None:
-    """The stack of ``model``'s layers (after the load-time kernel swaps), or None where it does
-    not apply (another family or layout, a linear without a native form, no native build)."""
+def build_decode_stack(model: nn.Module, dtype: torch.dtype,
+                       kv: list[dict[str, torch.Tensor]]) -> NativeDecodeStack | None:
+    """The stack of ``model``'s layers (after the load-time kernel swaps) over their caches
+    ``kv`` (the runner's, for good), or None where it does not apply (another family or layout,
+    a linear without a native form, no native build)."""
     if not isinstance(model, LlamaForCausalLM):
         return None
     layers = list(model.model.layers)
@@ -126,10 +125,10 @@ def build_decode_stack(model: nn.Module, dtype: torch.dtype) -> NativeDecodeStac
         return None
     stack = torch.classes.deepinfer_stack.DecodeStack(first.rotary.cos, first.rotary.sin, eps.pop(),
                                                       first.head_dim, first.scale)
-    for layer, linears in zip(layers, natives):
+    for layer, linears, caches in zip(layers, natives, kv):
         attn = layer.self_attn
         head_norms = [n.weight.detach() for n in _head_norms(attn)] or [None, None]
         stack.add_layer(layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
-                        *head_norms, *((n.op, n.args) for n in linears), attn.num_heads, attn.num_kv_heads,
-                        attn.window)
+                        *head_norms, caches["k"], caches["v"], *((n.op, n.args) for n in linears),
+                        attn.num_heads, attn.num_kv_heads, attn.window)
     return NativeDecodeStack(model, stack, max_rows=min(n.max_rows for row in natives for n in row))

@@ -103,7 +103,7 @@ def test_decode_step_runs_the_spelled_out_ops(request, native_kernels, tiny_llam
     with torch.inference_mode():
         batch = runner.prepare(items).batch
         ours = model(batch, runner.kv_buffers)
-        stack = runner.decode_stack.forward(batch, runner.kv_buffers) if runner.decode_stack else None
+        stack = runner.decode_stack.forward(batch) if runner.decode_stack else None
         x = model.embed(batch.input_ids)
         for layer, kv in zip(model.model.layers, runner.kv_buffers):
             x = reference_layer(layer, x, batch, kv)

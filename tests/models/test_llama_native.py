@@ -37,9 +37,9 @@ def test_steps_it_runs_give_the_modules_bits_and_the_eager_tokens(tiny_llama, mo
     ran = []  # (decodes, spans) of each step the stack ran
     forward = stack.forward
 
-    def checked(batch, kv):
-        hidden = forward(batch, kv)
-        assert torch.equal(hidden, runner.model(batch, kv))  # (rewrites the same K/V)
+    def checked(batch):
+        hidden = forward(batch)
+        assert torch.equal(hidden, runner.model(batch, runner.kv_buffers))  # (rewrites the same K/V)
         ran.append((batch.num_decodes, len(batch.prefills)))
         return hidden
 

@@ -55,6 +55,7 @@ struct BoundOp {
 struct Layer {
   at::Tensor input_norm, post_norm;
   std::optional<at::Tensor> q_norm, k_norm;  // per-head RMSNorm of q and k (Qwen3)
+  at::Tensor k_cache, v_cache;  // the layer's pages in the runner's pool
   BoundOp qkv, o, gate_up, down;
   int64_t heads, kv_heads;
   std::optional<int64_t> window;
@@ -84,12 +85,13 @@ struct DecodeStack : torch::CustomClassHolder {
         silu_mul_(find_op("deepinfer_ops::silu_mul").typed<SiluMulFn>()) {}
 
   void add_layer(at::Tensor input_norm, at::Tensor post_norm, std::optional<at::Tensor> q_norm,
-                 std::optional<at::Tensor> k_norm, c10::IValue qkv, c10::IValue o, c10::IValue gate_up, c10::IValue down,
-                 int64_t heads, int64_t kv_heads, std::optional<int64_t> window) {
+                 std::optional<at::Tensor> k_norm, at::Tensor k_cache, at::Tensor v_cache, c10::IValue qkv,
+                 c10::IValue o, c10::IValue gate_up, c10::IValue down, int64_t heads, int64_t kv_heads,
+                 std::optional<int64_t> window) {
     TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "q and k are normed together");
     layers_.push_back({std::move(input_norm), std::move(post_norm), std::move(q_norm), std::move(k_norm),
-                       BoundOp::from(qkv), BoundOp::from(o), BoundOp::from(gate_up), BoundOp::from(down), heads,
-                       kv_heads, window});
+                       std::move(k_cache), std::move(v_cache), BoundOp::from(qkv), BoundOp::from(o),
+                       BoundOp::from(gate_up), BoundOp::from(down), heads, kv_heads, window});
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
@@ -101,11 +103,9 @@ struct DecodeStack : torch::CustomClassHolder {
   // each layer's new K/V into its caches.
   at::Tensor run(at::Tensor x, at::Tensor positions, at::Tensor slots, int64_t num_decodes,
                  std::optional<at::Tensor> pages, std::optional<at::Tensor> kv_lens, std::optional<at::Tensor> kv_start,
-                 std::optional<at::Tensor> kv_lo, std::vector<int64_t> spans, std::vector<at::Tensor> span_pages,
-                 std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches) {
+                 std::optional<at::Tensor> kv_lo, std::vector<int64_t> spans, std::vector<at::Tensor> span_pages) {
     const int64_t L = num_layers(), T = x.size(0);
-    TORCH_CHECK(L > 0 && static_cast<int64_t>(k_caches.size()) == L && static_cast<int64_t>(v_caches.size()) == L,
-                "one K and one V cache per layer");
+    TORCH_CHECK(L > 0, "a stack of no layers");
     TORCH_CHECK(spans.size() == 5 * span_pages.size(), "five numbers per span");
     TORCH_CHECK(num_decodes == 0 || (pages && kv_lens), "decodes need their page tables");
     const Step step{num_decodes, pages, kv_lens, kv_start, kv_lo, spans, span_pages};
@@ -113,7 +113,7 @@ struct DecodeStack : torch::CustomClassHolder {
     slots = slots.contiguous();
     at::Tensor h = norm_.call(x.contiguous(), layers_[0].input_norm, eps_);
     for (int64_t i = 0; i < L; ++i) {
-      const Layer& layer = layers_[i];
+      Layer& layer = layers_[i];
       const at::Tensor heads = layer.qkv(h).view({T, -1, head_dim_});
       at::Tensor q = heads.narrow(1, 0, layer.heads), k = heads.narrow(1, layer.heads, layer.kv_heads);
       if (layer.q_norm) {
@@ -121,8 +121,8 @@ struct DecodeStack : torch::CustomClassHolder {
         k = head_norm(k, *layer.k_norm);
       }
       std::tie(q, k) = rotate_store_.call(q, k, heads.narrow(1, layer.heads + layer.kv_heads, layer.kv_heads), cos_,
-                                          sin_, positions, k_caches[i], v_caches[i], slots);
-      const at::Tensor attn = attention(step, q, k_caches[i], v_caches[i], layer.window);
+                                          sin_, positions, layer.k_cache, layer.v_cache, slots);
+      const at::Tensor attn = attention(step, q, layer.k_cache, layer.v_cache, layer.window);
       std::tie(x, h) = add_norm_.call(x, layer.o(attn.reshape({T, -1})), layer.post_norm, eps_);
       const at::Tensor mlp = layer.down(silu_mul(layer.gate_up(h)));
       if (i + 1 < L)
