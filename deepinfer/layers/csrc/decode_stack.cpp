@@ -199,7 +199,6 @@ TORCH_LIBRARY(deepinfer_stack, m) {
   m.class_<DecodeStack>("DecodeStack")
       .def(torch::init<at::Tensor, at::Tensor, double, int64_t, double>())
       .def("add_layer", &DecodeStack::add_layer)
-      .def("num_layers", &DecodeStack::num_layers)
       .def("run", &DecodeStack::run);
   m.def("isa() -> str", &isa);
 }
