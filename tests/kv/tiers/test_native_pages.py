@@ -28,7 +28,7 @@ pytestmark = pytest.mark.skipif(not page_codecs_kernel().loaded, reason=page_cod
 
 def filled_pool(specs, dtype, seed):
     """Random pages, with blocks at the dtype's top (rounding up must clamp, not overflow), zero
-    blocks (scale 0) and tiny ones."""
+    blocks (scale 0), tiny ones and ones whose decoded values are float32 subnormals."""
     p = PagePool(specs, 12, PS, dtype, torch.device("cpu"))
     g = torch.Generator().manual_seed(seed)
     for b in p.owned_buffers():
@@ -36,6 +36,7 @@ def filled_pool(specs, dtype, seed):
         flat = x.view(b.shape[0], -1)
         flat[1, :32] *= 0.0
         flat[2, :64] *= 1e-30
+        flat[4, :32] *= 1e-36  # products below float32's normal range: the rounding of subnormals
         flat[3, :32] = torch.finfo(dtype).max * torch.linspace(-1, 1, 32)
         b.copy_(x.to(dtype))
     return p

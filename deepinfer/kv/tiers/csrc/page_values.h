@@ -19,6 +19,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #ifdef __AVX2__
 #include <immintrin.h>
@@ -102,6 +103,15 @@ template <> struct Out<c10::BFloat16> {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), _mm512_cvtepi32_epi16(r));
   }
 #endif
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  // One instruction where it rounds as put16: v holds no NaN, no float32 subnormal and nothing
+  // beyond kMax (VCVTNEPS2BF16 keeps NaN payloads and flushes subnormals; the caller checks).
+  static void put16_plain(c10::BFloat16* o, __m512 v) {
+    const __m256i r = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));
+    if (reinterpret_cast<uintptr_t>(o) % 32 == 0) _mm256_stream_si256(reinterpret_cast<__m256i*>(o), r);
+    else _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), r);
+  }
+#endif
 };
 template <> struct Out<c10::Half> {
   static constexpr float kMax = 65504.0f;
@@ -156,6 +166,8 @@ struct NibbleCodes {
 
 // -- a code's float32 value: table[code], bit for bit
 struct TableValues {  // any table: a gather
+  static constexpr float kMinNonzero = 0.0f, kMaxAbs = 0.0f;  // unknown: never a plain block
+  static constexpr bool kMayNaN = true;
   const float* table;
   float one(int c) const { return table[c]; }
 #ifdef __AVX2__
@@ -167,6 +179,8 @@ struct TableValues {  // any table: a gather
 };
 
 struct E2M1Values {  // a 16-value table (codes 0..15): permutes within registers
+  static constexpr float kMinNonzero = 0.5f, kMaxAbs = 6.0f;
+  static constexpr bool kMayNaN = false;
   const float* table;
 #ifdef __AVX2__
   __m256 low = _mm256_loadu_ps(table), high = _mm256_loadu_ps(table + 8);
@@ -205,6 +219,8 @@ inline bool e4m3_from_bits(const float* table) {
 }
 
 struct E4M3Values {  // e4m3_bits_value per lane; the table only for the NaN codes
+  static constexpr float kMinNonzero = 0x1p-9f, kMaxAbs = 448.0f;
+  static constexpr bool kMayNaN = true;  // the two NaN codes
   const float* table;
   float one(int c) const { return table[c]; }
 #ifdef __AVX2__
@@ -235,6 +251,15 @@ struct E4M3Values {  // e4m3_bits_value per lane; the table only for the NaN cod
 #endif
 };
 
+// Whether every product of a Values code and scale s is zero or a normal float32 within T's
+// finite range (NaN codes aside): exact in double, where a float32 product cannot round past
+// the bounds (both are float32 values).
+template <typename T, typename Values>
+bool plain_block(float s) {
+  const double a = std::fabs(static_cast<double>(s));
+  return a == 0.0 || (a * Values::kMinNonzero >= FLT_MIN && a * Values::kMaxAbs <= Out<T>::kMax);
+}
+
 // codes of m elements (Codes' packing) times scale(b) per block, valued by vals -> o[m]
 template <typename Codes, typename T, typename Scale, typename Values>
 void block_values(const uint8_t* codes, int64_t m, int64_t block, const Scale& scale, const Values& vals, T* o) {
@@ -245,6 +270,19 @@ void block_values(const uint8_t* codes, int64_t m, int64_t block, const Scale& s
     int64_t i = 0;
 #ifdef __AVX512F__
     const __m512 sv16 = _mm512_set1_ps(s);
+#ifdef __AVX512BF16__
+    // bfloat16 pools: the rounding in one instruction where the block's range allows it (the
+    // common case: the encoder's scales are amax / the format's max)
+    if constexpr (std::is_same_v<T, c10::BFloat16>) {
+      if (plain_block<T, Values>(s)) {
+        for (; i + 16 <= block; i += 16) {
+          const __m512 v = _mm512_mul_ps(vals.v16(Codes::codes16(c + Codes::offset(i))), sv16);
+          if (Values::kMayNaN && _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q)) Out<T>::put16(out + i, v);
+          else Out<T>::put16_plain(out + i, v);
+        }
+      }
+    }
+#endif
     for (; i + 16 <= block; i += 16)
       Out<T>::put16(out + i, _mm512_mul_ps(vals.v16(Codes::codes16(c + Codes::offset(i))), sv16));
 #endif
