@@ -146,6 +146,9 @@ void decode_into(const at::Tensor& rows, const at::Tensor& pages, at::TensorList
   } else {
     run(TableValues{t8});
   }
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  _mm_sfence();  // the streaming stores (page_values.h) visible before the caller says the pages are in
+#endif
 }
 
 // -- encode: the torch encode's arithmetic (codecs.py), op for op in float32, so the bytes match
