@@ -30,8 +30,10 @@ import deepinfer  # noqa: E402, F401  (first: sets the OpenMP wait policy before
 import torch  # noqa: E402
 
 from deepinfer.hardware import lscpu_model  # noqa: E402
+from deepinfer.layers.batch_rows_linear import LINEAR_OP as BATCH_ROWS_OP  # noqa: E402
 from deepinfer.layers.chunk_attention import prefix_then_causal  # noqa: E402
 from deepinfer.layers.native_prefill import native_prefill, native_prefill_kernel  # noqa: E402
+from deepinfer.quant.native import LINEAR_OP as QUANT_OP  # noqa: E402
 from deepinfer.threads import apply_thread_policy  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -39,7 +41,8 @@ from core import fastest, random_prompts, timed  # noqa: E402
 
 HQ, HKV, D, PS = 9, 3, 64, 16
 ATTENTION = ("deepinfer_prefill::prefill_attention", "aten::_scaled_dot_product_flash_attention_for_cpu")
-LINEAR = ("mkldnn::_linear_pointwise", "aten::addmm", "aten::mm", "aten::linear", "deepinfer_small_rows")
+LINEAR = ("mkldnn::_linear_pointwise", "aten::addmm", "aten::mm", "aten::linear", "deepinfer_rows::",
+          BATCH_ROWS_OP, QUANT_OP)
 
 
 def torch_path(q, k, v, pages, start):
