@@ -2,7 +2,8 @@
 // looked up, times the block scale, clamped and stored in the pool's dtype, 16 lanes at a time
 // with AVX-512, 8 with AVX2, one by one elsewhere and in a block's tail. Every lane computes
 // exactly the scalar expression Out<T>::put(o, table[code] * scale), so the vector width never
-// changes a value.
+// changes a value; into bfloat16 the rounding is one instruction where a block's scale allows
+// it (plain_block), with the same result.
 //
 // Why not one gather per vector: a table gather costs several times a plain load on current
 // x86 cores (it bounded FP8 loads at a quarter of a page copy), so e2m1 (16 values) is a register
