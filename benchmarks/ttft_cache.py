@@ -14,7 +14,8 @@ the uncached tail (the L1 TTFT stands for it); the read also into distinct memor
 beforehand (what a load does: its L1 pool is zeroed at start), the fairer bound for the load
 alone. Both L3 cases also run with layer-wise loads
 (``--kv-stream-layers``), alternating with the whole-page ones. Every TTFT uses a fresh tail, so
-no case hits another's tail pages. llama.cpp's RAM cache is not measured here.
+no case hits another's tail pages. With the default model, llama.cpp's in-context and RAM-cache
+hits of the same prompts too (``llamacpp_cache.py``; ``--llamacpp-python ''`` skips them).
 
 ``--promotion`` adds idle-time promotion (``--kv-idle-promote-mb``) on a multi-turn workload:
 conversations whose turns are separated by one-off requests that push them out of a small L2,
@@ -42,9 +43,12 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import llamacpp_cache  # noqa: E402
 from tiers import drop_page_cache, llm, one_token, random_ids  # noqa: E402
 
 from deepinfer.hardware import lscpu_model  # noqa: E402
+from deepinfer.loader import default_model_path  # noqa: E402
+from deepinfer.threads import available_cores  # noqa: E402
 from deepinfer.sampling_params import SamplingParams  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
@@ -120,19 +124,24 @@ def l3_child(model, disk: Path, codec: str, prompt: list[int], warm: list[int], 
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def one_case(model, codec: str, n: int, hit: float, work: Path, warm_hit: bool = True) -> dict:
+def one_case(model, codec: str, n: int, hit: float, work: Path, warm_hit: bool = True,
+             peer: Path | None = None) -> dict:
     m = llm(model, num_pages=4)
     vocab, ps = m.engine.hf_config.vocab_size, m.engine.config.page_size
     del m
     base = random_ids(int(n * hit) // ps * ps, vocab, seed=n)
     tails = [random_ids(n - len(base), vocab, seed=100 + i) for i in range(11)]
+    peer_row = {}
+    if peer is not None:  # before our engine starts: each side runs alone
+        peer_row["llamacpp"] = llamacpp_cache.cache_ttfts(peer, default_model_path(), base, tails,
+                                                          random_ids(64, vocab, seed=99), available_cores())
     disk = work / f"l3-{codec}-{n}-{hit}"
     num_pages = n // ps * 4 + 64
     m = llm(model, num_pages=num_pages, max_num_batched_tokens=CHUNK, host_cache_gb=4.0,
             kv_codec_host=codec, kv_codec_disk=codec, enable_disk_cache=True,
             disk_cache_dir=str(disk))
     ttft(m, random_ids(len(tails[0]), vocab, seed=7))  # warm-up: the tail's shapes
-    row: dict = {"codec": codec, "prompt_tokens": n, "cached_tokens": len(base)}
+    row: dict = {"codec": codec, "prompt_tokens": n, "cached_tokens": len(base), **peer_row}
     row["cold"], by = ttft(m, base + tails[0])  # nothing cached: fills L1 and L3
     assert sum(by.values()) == 0, by
     m.engine.tiers.flush()  # the cold prompt's write-through to L2/L3 would run beside the L1 hit
@@ -292,6 +301,9 @@ def main() -> None:
     ap.add_argument("--warm-up", choices=["hit", "shapes"], default="hit",
                     help="an L3 child's warm-up: the same hit with another tail (a running server), or "
                          "only a prompt of the tail's length sharing nothing (a just-started one)")
+    ap.add_argument("--llamacpp-python", default=str(llamacpp_cache.DEFAULT_PEER),
+                    help="python of a venv with llama-cpp-python: its RAM cache on the same prompts, "
+                         "with the first codec and the default model ('' to skip)")
     ap.add_argument("--out", default=str(REPO / "results" / "ttft_cache"))
     args = ap.parse_args()
     if args.quick:
@@ -301,17 +313,21 @@ def main() -> None:
     print(f"CPU: {cpu}", flush=True)
     rows, promo = [], []
     with tempfile.TemporaryDirectory(prefix="deepinfer-ttft-") as tmp:
-        for codec in filter(None, args.codecs.split(",")):
+        peer = llamacpp_cache.peer_python(args.llamacpp_python) if args.model is None else None
+        for i, codec in enumerate(filter(None, args.codecs.split(","))):
             for n in map(int, args.sizes.split(",")):
                 for hit in map(float, args.hits.split(",")):
-                    rows.append(one_case(args.model, codec, n, hit, Path(tmp), args.warm_up == "hit"))
+                    rows.append(one_case(args.model, codec, n, hit, Path(tmp), args.warm_up == "hit",
+                                         peer if i == 0 else None))
         if args.promotion:
             promo = promotion_rows(args.model, args, Path(tmp))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps({"cpu": cpu, "rows": rows, "promotion": promo},
                                                  indent=2))
-    md = markdown(rows, cpu) + ("\n" + promotion_markdown(promo) if promo else "")
+    peer_md = llamacpp_cache.markdown(rows)
+    md = markdown(rows, cpu) + ("\n" + peer_md if peer_md else "")
+    md += "\n" + promotion_markdown(promo) if promo else ""
     (out / "summary.md").write_text(md)
     print(md)
 
