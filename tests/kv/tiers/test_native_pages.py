@@ -123,6 +123,29 @@ def test_every_code_decodes_as_the_torch_table(name, block, dtype):
         assert torch.equal(bits(r)[~nan], bits(o)[~nan])
 
 
+@pytest.mark.skipif(not torch.set_flush_denormal(False), reason="no FTZ/DAZ control on this CPU")
+def test_fp8_decode_with_subnormal_inputs_flushed():
+    """Under DAZ (``torch.set_flush_denormal``) the decode does not build values from float32
+    subnormals (the e4m3 subnormal codes): the same bits as the torch decode under it."""
+    codec = get_codec("fp8", None, PS)
+    src = filled_pool(MLA, torch.bfloat16, 3)
+    rows = encode_pages(codec, src.read_pages([1, 2, 3]))
+    shapes = PoolTransfer(src).shapes
+    g = torch.Generator().manual_seed(6)
+    for a, b in code_region(codec, rows, shapes, torch.bfloat16):
+        rows[:, a:b] = torch.randint(0, 8, (rows.shape[0], b - a), generator=g, dtype=torch.uint8)  # subnormals, 0
+    ref, got = filled_pool(MLA, torch.bfloat16, 1), filled_pool(MLA, torch.bfloat16, 1)
+    torch.set_flush_denormal(True)
+    try:
+        ref.write_pages([4, 5, 6], decode_pages(codec, rows, shapes, torch.bfloat16))
+        decode_into(codec, rows, got.owned_buffers(), [4, 5, 6])
+    finally:
+        torch.set_flush_denormal(False)
+    for r, o in zip(ref.owned_buffers(), got.owned_buffers()):
+        assert torch.equal(bits(r), bits(o))
+        assert (r[4:7] != 0).any()  # the subnormal codes decoded to values, not flushed
+
+
 def test_fp8_decode_with_another_table_gathers_from_it():
     """A table that is not e4m3fn's own values (the op's gather path): table[code] * scale."""
     codec = get_codec("fp8", None, PS)

@@ -168,6 +168,7 @@ struct NibbleCodes {
 // -- a code's float32 value: table[code], bit for bit
 struct TableValues {  // any table: a gather
   static constexpr float kMinNonzero = 0.0f, kMaxAbs = 0.0f;  // unknown: never a plain block
+  static constexpr float kBitsScale = 0.0f;                   // no bits16 (E4M3Values has one)
   static constexpr bool kMayNaN = true;
   const float* table;
   float one(int c) const { return table[c]; }
@@ -181,6 +182,7 @@ struct TableValues {  // any table: a gather
 
 struct E2M1Values {  // a 16-value table (codes 0..15): permutes within registers
   static constexpr float kMinNonzero = 0.5f, kMaxAbs = 6.0f;
+  static constexpr float kBitsScale = 0.0f;
   static constexpr bool kMayNaN = false;
   const float* table;
 #ifdef __AVX2__
@@ -222,6 +224,10 @@ inline bool e4m3_from_bits(const float* table) {
 struct E4M3Values {  // e4m3_bits_value per lane; the table only for the NaN codes
   static constexpr float kMinNonzero = 0x1p-9f, kMaxAbs = 448.0f;
   static constexpr bool kMayNaN = true;  // the two NaN codes
+  // A code's bits moved into a float32 (s.eeee.mmm at bits 31, 26-23, 22-20) are its value times
+  // 2**-120 exactly, the subnormal codes as float32 subnormals: times (scale * 2**120) that is
+  // value * scale, one rounding either way, where nothing flushes subnormal inputs (DAZ off).
+  static constexpr float kBitsScale = 0x1p120f;
   const float* table;
   float one(int c) const { return table[c]; }
 #ifdef __AVX2__
@@ -249,6 +255,13 @@ struct E4M3Values {  // e4m3_bits_value per lane; the table only for the NaN cod
     const __m512 out = _mm512_castsi512_ps(v);
     return nan ? _mm512_mask_i32gather_ps(out, nan, c, table, 4) : out;
   }
+  static __m512 bits16(__m512i c) {  // value * 2**-120; the NaN codes give finite values (nan16)
+    const __m512i mag = _mm512_slli_epi32(_mm512_and_si512(c, _mm512_set1_epi32(0x7F)), 20);
+    return _mm512_castsi512_ps(_mm512_or_si512(mag, _mm512_slli_epi32(_mm512_and_si512(c, _mm512_set1_epi32(0x80)), 24)));
+  }
+  static __mmask16 nan16(__m512i c) {
+    return _mm512_cmpeq_epi32_mask(_mm512_and_si512(c, _mm512_set1_epi32(0x7F)), _mm512_set1_epi32(0x7F));
+  }
 #endif
 };
 
@@ -264,6 +277,10 @@ bool plain_block(float s) {
 // codes of m elements (Codes' packing) times scale(b) per block, valued by vals -> o[m]
 template <typename Codes, typename T, typename Scale, typename Values>
 void block_values(const uint8_t* codes, int64_t m, int64_t block, const Scale& scale, const Values& vals, T* o) {
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  const bool daz = _mm_getcsr() & 0x40;  // subnormal inputs read as zero: no bits16
+  (void)daz;
+#endif
   for (int64_t b = 0; b < m / block; ++b) {
     const float s = scale(b);
     const uint8_t* c = codes + Codes::offset(b * block);
@@ -276,6 +293,16 @@ void block_values(const uint8_t* codes, int64_t m, int64_t block, const Scale& s
     // common case: the encoder's scales are amax / the format's max)
     if constexpr (std::is_same_v<T, c10::BFloat16>) {
       if (plain_block<T, Values>(s)) {
+        if constexpr (Values::kBitsScale > 0.0f) {
+          if (std::fabs(s) <= 0x1p7f && !daz) {  // scale * 2**120 exact
+            const __m512 sb = _mm512_set1_ps(s * Values::kBitsScale);
+            for (; i + 16 <= block; i += 16) {
+              const __m512i codes = Codes::codes16(c + Codes::offset(i));
+              if (Values::nan16(codes)) Out<T>::put16(out + i, _mm512_mul_ps(vals.v16(codes), sv16));
+              else Out<T>::put16_plain(out + i, _mm512_mul_ps(Values::bits16(codes), sb));
+            }
+          }
+        }
         for (; i + 16 <= block; i += 16) {
           const __m512 v = _mm512_mul_ps(vals.v16(Codes::codes16(c + Codes::offset(i))), sv16);
           if (Values::kMayNaN && _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q)) Out<T>::put16(out + i, v);
