@@ -48,8 +48,8 @@ from tiers import drop_page_cache, llm, one_token, random_ids  # noqa: E402
 
 from deepinfer.hardware import lscpu_model  # noqa: E402
 from deepinfer.loader import default_model_path  # noqa: E402
-from deepinfer.threads import available_cores  # noqa: E402
 from deepinfer.sampling_params import SamplingParams  # noqa: E402
+from deepinfer.threads import available_cores  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 CHUNK = 2048

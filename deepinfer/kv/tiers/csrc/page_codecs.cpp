@@ -115,7 +115,8 @@ void decode_into(const at::Tensor& rows, const at::Tensor& pages, at::TensorList
     TORCH_CHECK(b.is_cpu() && b.is_contiguous() && b.dim() >= 2
                 && (st == at::kFloat || st == at::kBFloat16 || st == at::kHalf),
                 "buffers must be contiguous CPU float32/bfloat16/float16 [pages, ...]");
-    const Layout L{codec, b.size(0) ? b.numel() / b.size(0) : 0, block, tokens, static_cast<int64_t>(b.element_size())};
+    const int64_t m = b.size(0) ? b.numel() / b.size(0) : 0;  // one page's elements
+    const Layout L{codec, m, block, tokens, static_cast<int64_t>(b.element_size())};
     TORCH_CHECK(L.m % block == 0 && (codec != kFP8C || (tokens > 0 && L.m % tokens == 0)),
                 "a page of ", L.m, " elements does not fit block ", block, " / tokens ", tokens);
     offsets.push_back(width);

@@ -257,7 +257,8 @@ struct E4M3Values {  // e4m3_bits_value per lane; the table only for the NaN cod
   }
   static __m512 bits16(__m512i c) {  // value * 2**-120; the NaN codes give finite values (nan16)
     const __m512i mag = _mm512_slli_epi32(_mm512_and_si512(c, _mm512_set1_epi32(0x7F)), 20);
-    return _mm512_castsi512_ps(_mm512_or_si512(mag, _mm512_slli_epi32(_mm512_and_si512(c, _mm512_set1_epi32(0x80)), 24)));
+    const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(c, _mm512_set1_epi32(0x80)), 24);
+    return _mm512_castsi512_ps(_mm512_or_si512(mag, sign));
   }
   static __mmask16 nan16(__m512i c) {
     return _mm512_cmpeq_epi32_mask(_mm512_and_si512(c, _mm512_set1_epi32(0x7F)), _mm512_set1_epi32(0x7F));
