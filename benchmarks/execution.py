@@ -33,6 +33,7 @@ from pathlib import Path
 
 import torch
 from core import fastest, random_prompts, timed, write_summary
+from llamacpp_cache import DEFAULT_PEER, peer_python
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from deepinfer.hardware import auto_dtype, cpu_isa, lscpu_model
@@ -41,7 +42,6 @@ from deepinfer.loader import default_model_path
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.threads import available_cores
 
-DEFAULT_PEER = Path.home() / ".cache" / "llamacpp-peer" / "bin" / "python"
 # Runs in the peer's venv: prints the seconds of one prefill or of `decode` single-token steps.
 LLAMACPP = """
 import json, sys, time
@@ -217,7 +217,7 @@ def main() -> None:
     lengths, batches, new_tokens = ([512], [1, 8], 8) if args.quick else ([512, 2048, 8000], [1, 8, 32], 32)
     batches = args.batches or batches
     lengths = args.lengths or lengths
-    peer = Path(args.llamacpp_python) if args.llamacpp_python and Path(args.llamacpp_python).exists() else None
+    peer = peer_python(args.llamacpp_python)
     gguf = default_model_path()
     kv_gb = 0.25 if args.quick else 1.0
     llms = {name: LLM(None, **kw) for name, kw in engine_sides(threads, kv_gb, args.sides).items()}

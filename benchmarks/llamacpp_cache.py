@@ -1,4 +1,5 @@
-"""llama.cpp's own prefix reuse on the prompts of ``ttft_cache.py`` (issue 17's comparison (c)).
+"""llama.cpp's own prefix reuse on the prompts of ``ttft_cache.py`` (issue 17's comparison (c)),
+and where the benchmarks find the llama.cpp peer's venv (``DEFAULT_PEER``, ``peer_python``).
 
 llama-cpp-python keeps the KV of its current context and, with a cache set, a RAM cache of
 whole context states keyed by their tokens: a prompt loads the state of its longest cached

@@ -275,12 +275,41 @@ bool plain_block(float s) {
   return a == 0.0 || (a * Values::kMinNonzero >= FLT_MIN && a * Values::kMaxAbs <= Out<T>::kMax);
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+// A plain block's whole vectors (plain_block holds) into bfloat16, rounded in one instruction:
+// e4m3 values from their bits where scale * 2**120 is exact and subnormal inputs count (no DAZ),
+// else vals.v16; a NaN code's vector takes put16. -> the elements written
+template <typename Codes, typename Values>
+int64_t plain_bf16(const uint8_t* c, int64_t block, float s, bool daz, const Values& vals, c10::BFloat16* out) {
+  using Out16 = Out<c10::BFloat16>;
+  const __m512 sv = _mm512_set1_ps(s);
+  int64_t i = 0;
+  if constexpr (Values::kBitsScale > 0.0f) {
+    if (std::fabs(s) <= 0x1p7f && !daz) {
+      const __m512 sb = _mm512_set1_ps(s * Values::kBitsScale);
+      for (; i + 16 <= block; i += 16) {
+        const __m512i codes = Codes::codes16(c + Codes::offset(i));
+        if (Values::nan16(codes)) Out16::put16(out + i, _mm512_mul_ps(vals.v16(codes), sv));
+        else Out16::put16_plain(out + i, _mm512_mul_ps(Values::bits16(codes), sb));
+      }
+      return i;
+    }
+  }
+  for (; i + 16 <= block; i += 16) {
+    const __m512 v = _mm512_mul_ps(vals.v16(Codes::codes16(c + Codes::offset(i))), sv);
+    if (Values::kMayNaN && _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q)) Out16::put16(out + i, v);
+    else Out16::put16_plain(out + i, v);
+  }
+  return i;
+}
+#endif
+
 // codes of m elements (Codes' packing) times scale(b) per block, valued by vals -> o[m]
 template <typename Codes, typename T, typename Scale, typename Values>
 void block_values(const uint8_t* codes, int64_t m, int64_t block, const Scale& scale, const Values& vals, T* o) {
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-  const bool daz = _mm_getcsr() & 0x40;  // subnormal inputs read as zero: no bits16
-  (void)daz;
+  // subnormal inputs read as zero (DAZ): no e4m3 values from their bits
+  [[maybe_unused]] const bool daz = std::is_same_v<T, c10::BFloat16> && (_mm_getcsr() & 0x40);
 #endif
   for (int64_t b = 0; b < m / block; ++b) {
     const float s = scale(b);
@@ -288,30 +317,13 @@ void block_values(const uint8_t* codes, int64_t m, int64_t block, const Scale& s
     T* out = o + b * block;
     int64_t i = 0;
 #ifdef __AVX512F__
-    const __m512 sv16 = _mm512_set1_ps(s);
 #ifdef __AVX512BF16__
-    // bfloat16 pools: the rounding in one instruction where the block's range allows it (the
-    // common case: the encoder's scales are amax / the format's max)
-    if constexpr (std::is_same_v<T, c10::BFloat16>) {
-      if (plain_block<T, Values>(s)) {
-        if constexpr (Values::kBitsScale > 0.0f) {
-          if (std::fabs(s) <= 0x1p7f && !daz) {  // scale * 2**120 exact
-            const __m512 sb = _mm512_set1_ps(s * Values::kBitsScale);
-            for (; i + 16 <= block; i += 16) {
-              const __m512i codes = Codes::codes16(c + Codes::offset(i));
-              if (Values::nan16(codes)) Out<T>::put16(out + i, _mm512_mul_ps(vals.v16(codes), sv16));
-              else Out<T>::put16_plain(out + i, _mm512_mul_ps(Values::bits16(codes), sb));
-            }
-          }
-        }
-        for (; i + 16 <= block; i += 16) {
-          const __m512 v = _mm512_mul_ps(vals.v16(Codes::codes16(c + Codes::offset(i))), sv16);
-          if (Values::kMayNaN && _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q)) Out<T>::put16(out + i, v);
-          else Out<T>::put16_plain(out + i, v);
-        }
-      }
-    }
+    // bfloat16 pools, where the block's range allows it (the common case: the encoder's scales
+    // are amax / the format's max)
+    if constexpr (std::is_same_v<T, c10::BFloat16>)
+      if (plain_block<T, Values>(s)) i = plain_bf16<Codes>(c, block, s, daz, vals, out);
 #endif
+    const __m512 sv16 = _mm512_set1_ps(s);
     for (; i + 16 <= block; i += 16)
       Out<T>::put16(out + i, _mm512_mul_ps(vals.v16(Codes::codes16(c + Codes::offset(i))), sv16));
 #endif
