@@ -26,10 +26,10 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 pytestmark = pytest.mark.skipif(not page_codecs_kernel().loaded, reason=page_codecs_kernel().error)
 
 
-def filled_pool(specs, dtype, seed):
+def filled_pool(specs, dtype, seed, num_pages=12):
     """Random pages, with blocks at the dtype's top (rounding up must clamp, not overflow), zero
     blocks (scale 0), tiny ones and ones whose decoded values are float32 subnormals."""
-    p = PagePool(specs, 12, PS, dtype, torch.device("cpu"))
+    p = PagePool(specs, num_pages, PS, dtype, torch.device("cpu"))
     g = torch.Generator().manual_seed(seed)
     for b in p.owned_buffers():
         x = torch.randn(b.shape, generator=g)
@@ -121,6 +121,48 @@ def test_every_code_decodes_as_the_torch_table(name, block, dtype):
         nan = r.isnan()
         assert torch.equal(nan, o.isnan())
         assert torch.equal(bits(r)[~nan], bits(o)[~nan])
+
+
+def around(x):
+    """float32 x, its neighbours and x / 2, 2x."""
+    t = torch.tensor([x], dtype=torch.float32)
+    return [x / 2, torch.nextafter(t, torch.zeros(1)).item(), t.item(),
+            torch.nextafter(t, torch.full((1,), math.inf)).item(), 2 * x]
+
+
+@pytest.mark.parametrize("name", ["fp8", "fp4"])
+def test_bfloat16_decode_at_the_edges_of_its_fast_path(name):
+    """Block scales either side of where a bfloat16 decode rounds a vector in one instruction
+    (every product zero or normal and within bfloat16's range; e4m3 from the code bits up to a
+    scale of 2**7), whole rows of one scale and rows of mixed ones: the torch decode's bits."""
+    codec = get_codec(name, None, PS)
+    dtype = torch.bfloat16
+    lowest, highest = (2.0**-9, 448.0) if name == "fp8" else (0.5, 6.0)  # the codes' values
+    edges = [e for x in (2.0**-126 / lowest, torch.finfo(dtype).max / highest, 2.0**7) for e in around(x)]
+    src = filled_pool(MLA, dtype, 3)
+    rows = encode_pages(codec, src.read_pages([1] * (len(edges) + 1)))
+    shapes = PoolTransfer(src).shapes
+    g = torch.Generator().manual_seed(7)
+    for j, (a, b) in enumerate(code_region(codec, rows, shapes, dtype)):
+        codes = torch.randint(0, 256, (rows.shape[0], b - a), generator=g, dtype=torch.uint8)
+        if name == "fp8":
+            codes[(codes & 0x7F) == 0x7F] = 0x7E  # no NaN code: a row with one takes the exact path throughout
+        rows[:, a:b] = codes
+        sign = -1.0 if j % 2 else 1.0
+        nb = math.prod(shapes[j]) // codec.block_size
+        for r in range(rows.shape[0]):
+            each = [edges[(r + k) % len(edges)] for k in range(nb)] if r == len(edges) else [edges[r]] * nb
+            if name == "fp8":  # float32 block scales after the codes
+                rows[r, b : b + 4 * nb] = torch.tensor(each, dtype=torch.float32).mul(sign).view(torch.uint8)
+            else:  # the page scale before the codes, and e4m3 1.0 for every block
+                rows[r, a - 4 : a] = torch.tensor([each[0] * sign], dtype=torch.float32).view(torch.uint8)
+                rows[r, b : b + nb] = 0x38
+    pages = list(range(1, rows.shape[0] + 1))
+    ref, got = filled_pool(MLA, dtype, 1, len(pages) + 1), filled_pool(MLA, dtype, 1, len(pages) + 1)
+    ref.write_pages(pages, decode_pages(codec, rows, shapes, dtype))
+    decode_into(codec, rows, got.owned_buffers(), pages)
+    for r, o in zip(ref.owned_buffers(), got.owned_buffers()):
+        assert torch.equal(bits(r), bits(o))
 
 
 @pytest.mark.skipif(not torch.set_flush_denormal(False), reason="no FTZ/DAZ control on this CPU")

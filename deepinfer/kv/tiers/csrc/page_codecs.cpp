@@ -57,7 +57,7 @@ void decode_row(const Layout& L, const uint8_t* row, const E4M3& e4m3, const E2M
                 std::vector<float>& tmp) {
   const int64_t m = L.m, nb = m / L.block;
   if (L.codec == kFP8) {
-    block_values<ByteCodes>(row, m, L.block, FP8Scales{row + m}, e4m3, o);
+    block_values<ByteCodes>(row, m, L.block, row + m, e4m3, o);
     return;
   }
   if (L.codec == kFP4 || L.codec == kMXFP4) {
@@ -72,13 +72,13 @@ void decode_row(const Layout& L, const uint8_t* row, const E4M3& e4m3, const E2M
         tmp[b] = from_bits(sb[b] == 0 ? 0x00400000u : static_cast<uint32_t>(sb[b]) << 23);  // 0: 2**-127
       }
     }
-    block_values<NibbleCodes>(packed, m, L.block, [&](int64_t b) { return tmp[b]; }, e2m1, o);
+    block_values<NibbleCodes>(packed, m, L.block, reinterpret_cast<const uint8_t*>(tmp.data()), e2m1, o);
     return;
   }
   // kFP8C: float32 deviations (clamped to float32's range) + the bfloat16 mean, then the exact token
   const int64_t C = m / L.tokens;
   tmp.resize(m);
-  block_values<ByteCodes>(row, m, L.block, FP8Scales{row + m}, e4m3, tmp.data());
+  block_values<ByteCodes>(row, m, L.block, row + m, e4m3, tmp.data());
   const uint8_t* mean = row + m + nb * 4;
   const uint8_t* exact = mean + 2 * C;
   uint16_t idx;

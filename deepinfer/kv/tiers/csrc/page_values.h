@@ -16,6 +16,7 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include <algorithm>
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
@@ -60,12 +61,6 @@ inline __m512 clamp16(__m512 v, float fmax) {
 }
 #endif
 
-// fp8 block scales: float32 at unaligned offsets after the codes
-struct FP8Scales {
-  const uint8_t* bytes;
-  float operator()(int64_t b) const { return load_f32(bytes + 4 * b); }
-};
-
 // -- stores of float32 values into the destination dtype (clamped first, as codecs._finish)
 template <typename T> struct Out;
 template <> struct Out<float> {
@@ -107,10 +102,19 @@ template <> struct Out<c10::BFloat16> {
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
   // One instruction where it rounds as put16: v holds no NaN, no float32 subnormal and nothing
   // beyond kMax (VCVTNEPS2BF16 keeps NaN payloads and flushes subnormals; the caller checks).
+  // Stream: o is 32-byte aligned, and the pages are not read back soon (a load's destination).
+  template <bool Stream>
   static void put16_plain(c10::BFloat16* o, __m512 v) {
     const __m256i r = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v));
-    if (reinterpret_cast<uintptr_t>(o) % 32 == 0) _mm256_stream_si256(reinterpret_cast<__m256i*>(o), r);
+    if constexpr (Stream) _mm256_stream_si256(reinterpret_cast<__m256i*>(o), r);
     else _mm256_storeu_si256(reinterpret_cast<__m256i*>(o), r);
+  }
+  // two vectors as put16_plain does each, in one 64-byte store (Stream: o is 64-byte aligned)
+  template <bool Stream>
+  static void put32_plain(c10::BFloat16* o, __m512 lo, __m512 hi) {
+    const __m512i r = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo));
+    if constexpr (Stream) _mm512_stream_si512(reinterpret_cast<__m512i*>(o), r);
+    else _mm512_storeu_si512(o, r);
   }
 #endif
 };
@@ -255,13 +259,10 @@ struct E4M3Values {  // e4m3_bits_value per lane; the table only for the NaN cod
     const __m512 out = _mm512_castsi512_ps(v);
     return nan ? _mm512_mask_i32gather_ps(out, nan, c, table, 4) : out;
   }
-  static __m512 bits16(__m512i c) {  // value * 2**-120; the NaN codes give finite values (nan16)
-    const __m512i mag = _mm512_slli_epi32(_mm512_and_si512(c, _mm512_set1_epi32(0x7F)), 20);
-    const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(c, _mm512_set1_epi32(0x80)), 24);
-    return _mm512_castsi512_ps(_mm512_or_si512(mag, sign));
-  }
-  static __mmask16 nan16(__m512i c) {
-    return _mm512_cmpeq_epi32_mask(_mm512_and_si512(c, _mm512_set1_epi32(0x7F)), _mm512_set1_epi32(0x7F));
+  static __m512 bits16(__m512i c) {  // value * 2**-120; the NaN codes give finite values
+    // s.eeee.mmm << 24, shifted right 4 keeping the sign: s at 31, eeee.mmm at 26-20 once masked
+    const __m512i v = _mm512_srai_epi32(_mm512_slli_epi32(c, 24), 4);
+    return _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(static_cast<int>(0x87F00000u))));
   }
 #endif
 };
@@ -275,65 +276,154 @@ bool plain_block(float s) {
   return a == 0.0 || (a * Values::kMinNonzero >= FLT_MIN && a * Values::kMaxAbs <= Out<T>::kMax);
 }
 
+// codes i.. of one block (Codes' packing) times scale s, valued by vals -> out[i..block): the
+// exact expression per element, on any ISA
+template <typename Codes, typename T, typename Values>
+void block_rest(const uint8_t* c, int64_t i, int64_t block, float s, const Values& vals, T* out) {
+#ifdef __AVX512F__
+  const __m512 sv16 = _mm512_set1_ps(s);
+  for (; i + 16 <= block; i += 16)
+    Out<T>::put16(out + i, _mm512_mul_ps(vals.v16(Codes::codes16(c + Codes::offset(i))), sv16));
+#endif
+#ifdef __AVX2__
+  const __m256 sv = _mm256_set1_ps(s);
+  for (; i + 8 <= block; i += 8)
+    Out<T>::put8(out + i, _mm256_mul_ps(vals.v8(Codes::codes8(c + Codes::offset(i))), sv));
+#endif
+  for (; i < block; ++i) Out<T>::put(out + i, vals.one(Codes::code(c, i)) * s);
+}
+
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-// A plain block's whole vectors (plain_block holds) into bfloat16, rounded in one instruction:
-// e4m3 values from their bits where scale * 2**120 is exact and subnormal inputs count (no DAZ),
-// else vals.v16; a NaN code's vector takes put16. -> the elements written
-template <typename Codes, typename Values>
-int64_t plain_bf16(const uint8_t* c, int64_t block, float s, bool daz, const Values& vals, c10::BFloat16* out) {
-  using Out16 = Out<c10::BFloat16>;
-  const __m512 sv = _mm512_set1_ps(s);
+// The |s| for which plain_block<T, Values>(s) holds, as float bounds: s == 0 or lo <= |s| <= hi
+// (both conditions are monotone in |s|); lo > hi where none does (a table of unknown values).
+template <typename T, typename Values>
+struct PlainScales {
+  float lo = FLT_MAX, hi = 0.0f;
+  PlainScales() {
+    if (Values::kMaxAbs == 0.0f) return;
+    lo = static_cast<float>(FLT_MIN / Values::kMinNonzero);
+    hi = static_cast<float>(static_cast<double>(Out<T>::kMax) / Values::kMaxAbs);
+    while (!plain_block<T, Values>(lo)) lo = std::nextafter(lo, FLT_MAX);
+    while (plain_block<T, Values>(std::nextafter(lo, 0.0f))) lo = std::nextafter(lo, 0.0f);
+    while (!plain_block<T, Values>(hi)) hi = std::nextafter(hi, 0.0f);
+    while (plain_block<T, Values>(std::nextafter(hi, FLT_MAX))) hi = std::nextafter(hi, FLT_MAX);
+  }
+  // which of 16 scales are plain (none for a table of unknown values)
+  __mmask16 mask(__m512 s) const {
+    if (Values::kMaxAbs == 0.0f) return 0;
+    const __m512 a = _mm512_abs_ps(s);
+    return _mm512_cmp_ps_mask(a, _mm512_setzero_ps(), _CMP_EQ_OQ)
+           | (_mm512_cmp_ps_mask(a, _mm512_set1_ps(lo), _CMP_GE_OQ) & _mm512_cmp_ps_mask(a, _mm512_set1_ps(hi), _CMP_LE_OQ));
+  }
+};
+
+// Whether any of n e4m3 codes is a NaN code (0x7F, 0xFF).
+inline bool any_nan_code(const uint8_t* c, int64_t n) {
+  const __m512i ones = _mm512_set1_epi8(-1), sign = _mm512_set1_epi8(static_cast<char>(0x80));
   int64_t i = 0;
-  if constexpr (Values::kBitsScale > 0.0f) {
-    if (std::fabs(s) <= 0x1p7f && !daz) {
-      const __m512 sb = _mm512_set1_ps(s * Values::kBitsScale);
-      for (; i + 16 <= block; i += 16) {
-        const __m512i codes = Codes::codes16(c + Codes::offset(i));
-        if (Values::nan16(codes)) Out16::put16(out + i, _mm512_mul_ps(vals.v16(codes), sv));
-        else Out16::put16_plain(out + i, _mm512_mul_ps(Values::bits16(codes), sb));
-      }
-      return i;
+  for (; i + 64 <= n; i += 64)
+    if (_mm512_cmpeq_epi8_mask(_mm512_or_si512(_mm512_loadu_si512(c + i), sign), ones)) return true;
+  for (; i < n; ++i)
+    if ((c[i] & 0x7F) == 0x7F) return true;
+  return false;
+}
+
+// 16 codes from element i on, valued and times the block's scale: from the codes' bits (Bits:
+// e4m3 value * 2**-120, sv = s * 2**120, exact where |s| <= 2**7 and subnormal inputs count) or
+// vals.v16 (sv = s)
+template <bool Bits, typename Codes, typename Values>
+__m512 plain_values(const uint8_t* c, int64_t i, __m512 sv, const Values& vals) {
+  const __m512i codes = Codes::codes16(c + Codes::offset(i));
+  if constexpr (Bits) return _mm512_mul_ps(Values::bits16(codes), sv);
+  else return _mm512_mul_ps(vals.v16(codes), sv);
+}
+
+template <bool Bits, typename Values>
+__m512 plain_scale(float s) {
+  if constexpr (Bits) return _mm512_set1_ps(s * Values::kBitsScale);
+  else return _mm512_set1_ps(s);
+}
+
+// One plain block's whole vectors into bfloat16, one rounding instruction each (Stream: out is
+// 32-byte aligned). -> the elements written
+template <bool Bits, bool Stream, typename Codes, typename Values>
+int64_t plain_bf16(const uint8_t* c, int64_t block, float s, const Values& vals, c10::BFloat16* out) {
+  const __m512 sv = plain_scale<Bits, Values>(s);
+  int64_t i = 0;
+  for (; i + 16 <= block; i += 16) Out<c10::BFloat16>::put16_plain<Stream>(out + i, plain_values<Bits, Codes>(c, i, sv, vals));
+  return i;
+}
+
+// 16 plain blocks of 16 * V elements (V = 1 or 2, the codecs' default blocks), two vectors per
+// store (Stream: out is 64-byte aligned)
+template <int V, bool Bits, bool Stream, typename Codes, typename Values>
+void plain_run(const uint8_t* c, const uint8_t* scales, const Values& vals, c10::BFloat16* out) {
+  for (int q = 0; q < 16 * V; q += 2) {
+    const __m512 lo = plain_values<Bits, Codes>(c, 16 * q, plain_scale<Bits, Values>(load_f32(scales + 4 * (q / V))), vals);
+    const __m512 hi = plain_values<Bits, Codes>(c, 16 * q + 16, plain_scale<Bits, Values>(load_f32(scales + 4 * ((q + 1) / V))), vals);
+    Out<c10::BFloat16>::put32_plain<Stream>(out + 16 * q, lo, hi);
+  }
+}
+
+// A row's blocks into bfloat16, their scales checked 16 at a time: plain blocks (the common
+// case: the encoders' scales are amax / the format's max) take one rounding instruction per
+// vector, 16 of them at once where the block is 16 or 32 long; the others, and any block's
+// tail, block_rest. A row holding a NaN code takes block_rest throughout. Stream: o is 64-byte
+// aligned and the block a multiple of 16.
+template <bool Stream, typename Codes, typename Values>
+void bf16_blocks(const uint8_t* codes, int64_t m, int64_t block, const uint8_t* scales, const Values& vals,
+                 c10::BFloat16* o) {
+  static const PlainScales<c10::BFloat16, Values> range;
+  constexpr bool kBits = Values::kBitsScale > 0.0f;
+  const int64_t nb = m / block;
+  bool nan_codes = Values::kMayNaN;
+  if constexpr (Values::kMayNaN && std::is_same_v<Codes, ByteCodes>) nan_codes = any_nan_code(codes, m);
+  // from bits where |s| <= 2**7 and subnormal inputs count (no DAZ): the subnormal codes are
+  // subnormal bits
+  const float bits_limit = kBits && !(_mm_getcsr() & 0x40) ? 0x1p7f : -1.0f;
+  for (int64_t b0 = 0; b0 < nb; b0 += 16) {
+    const int64_t k = std::min<int64_t>(16, nb - b0);
+    const __mmask16 live = static_cast<__mmask16>((1u << k) - 1);
+    const __m512 s16 = _mm512_maskz_loadu_ps(live, scales + 4 * b0);
+    const __mmask16 plain = nan_codes ? 0 : range.mask(s16) & live;
+    const __mmask16 bits = plain & _mm512_cmp_ps_mask(_mm512_abs_ps(s16), _mm512_set1_ps(bits_limit), _CMP_LE_OQ);
+    const uint8_t* c0 = codes + Codes::offset(b0 * block);
+    if (plain == 0xFFFF && (block == 16 || block == 32) && (bits == 0xFFFF || bits == 0)) {
+      const auto run = [&](auto v) {
+        if (kBits && bits) plain_run<decltype(v)::value, kBits, Stream, Codes>(c0, scales + 4 * b0, vals, o + b0 * block);
+        else plain_run<decltype(v)::value, false, Stream, Codes>(c0, scales + 4 * b0, vals, o + b0 * block);
+      };
+      if (block == 16) run(std::integral_constant<int, 1>{});
+      else run(std::integral_constant<int, 2>{});
+      continue;
+    }
+    for (int64_t j = 0; j < k; ++j) {
+      const float s = load_f32(scales + 4 * (b0 + j));
+      const uint8_t* c = codes + Codes::offset((b0 + j) * block);
+      c10::BFloat16* out = o + (b0 + j) * block;
+      int64_t i = 0;
+      if (kBits && (bits >> j & 1)) i = plain_bf16<kBits, Stream, Codes>(c, block, s, vals, out);
+      else if (plain >> j & 1) i = plain_bf16<false, Stream, Codes>(c, block, s, vals, out);
+      block_rest<Codes>(c, i, block, s, vals, out);
     }
   }
-  for (; i + 16 <= block; i += 16) {
-    const __m512 v = _mm512_mul_ps(vals.v16(Codes::codes16(c + Codes::offset(i))), sv);
-    if (Values::kMayNaN && _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q)) Out16::put16(out + i, v);
-    else Out16::put16_plain(out + i, v);
-  }
-  return i;
 }
 #endif
 
-// codes of m elements (Codes' packing) times scale(b) per block, valued by vals -> o[m]
-template <typename Codes, typename T, typename Scale, typename Values>
-void block_values(const uint8_t* codes, int64_t m, int64_t block, const Scale& scale, const Values& vals, T* o) {
+// codes of m elements (Codes' packing) times the float32 scale of each block (scales: nb of
+// them, possibly unaligned), valued by vals -> o[m]
+template <typename Codes, typename T, typename Values>
+void block_values(const uint8_t* codes, int64_t m, int64_t block, const uint8_t* scales, const Values& vals, T* o) {
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-  // subnormal inputs read as zero (DAZ): no e4m3 values from their bits
-  [[maybe_unused]] const bool daz = std::is_same_v<T, c10::BFloat16> && (_mm_getcsr() & 0x40);
-#endif
-  for (int64_t b = 0; b < m / block; ++b) {
-    const float s = scale(b);
-    const uint8_t* c = codes + Codes::offset(b * block);
-    T* out = o + b * block;
-    int64_t i = 0;
-#ifdef __AVX512F__
-#ifdef __AVX512BF16__
-    // bfloat16 pools, where the block's range allows it (the common case: the encoder's scales
-    // are amax / the format's max)
-    if constexpr (std::is_same_v<T, c10::BFloat16>)
-      if (plain_block<T, Values>(s)) i = plain_bf16<Codes>(c, block, s, daz, vals, out);
-#endif
-    const __m512 sv16 = _mm512_set1_ps(s);
-    for (; i + 16 <= block; i += 16)
-      Out<T>::put16(out + i, _mm512_mul_ps(vals.v16(Codes::codes16(c + Codes::offset(i))), sv16));
-#endif
-#ifdef __AVX2__
-    const __m256 sv = _mm256_set1_ps(s);
-    for (; i + 8 <= block; i += 8)
-      Out<T>::put8(out + i, _mm256_mul_ps(vals.v8(Codes::codes8(c + Codes::offset(i))), sv));
-#endif
-    for (; i < block; ++i) Out<T>::put(out + i, vals.one(Codes::code(c, i)) * s);
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    // streaming stores where every vector store is aligned
+    if (reinterpret_cast<uintptr_t>(o) % 64 == 0 && block % 16 == 0) bf16_blocks<true, Codes>(codes, m, block, scales, vals, o);
+    else bf16_blocks<false, Codes>(codes, m, block, scales, vals, o);
+    return;
   }
+#endif
+  for (int64_t b = 0; b < m / block; ++b)
+    block_rest<Codes>(codes + Codes::offset(b * block), 0, block, load_f32(scales + 4 * b), vals, o + b * block);
 }
 
 }  // namespace page_values
