@@ -43,8 +43,9 @@ log = logging.getLogger(__name__)
 class PageLoader:
     """Runs ``LoadJob``s for ``TierIO`` (which owns the stores, the codecs and the writers)."""
 
-    READ_CHUNK = 8  # consecutive L3 pages one reader takes at a time (decoded together)
-    POOL_CHUNK = 32  # at most, where chunks are read natively straight into the pool (``chunk``)
+    READ_CHUNK = 8  # consecutive L3 pages one reader takes at a time, at least (``chunk``)
+    POOL_CHUNK = 32  # at most
+    STAGING_BYTES = 8 << 20  # a reader's staging rows hold at most this much (or READ_CHUNK pages)
 
     def __init__(self, transfer: KVTransfer, host_codec: Codec, disk_codec: Codec,
                  host_page_nbytes: int, disk_page_nbytes: int, store: PageStore | None,
@@ -72,7 +73,9 @@ class PageLoader:
         self.batch = BatchReads.make(store, page_size, disk_page_nbytes) if batches else None
         if not self.cuda:  # build or load the native decode now, not in a request's load
             native_decodes(disk_codec, self.dtype)
-        self._staging: dict[int, torch.Tensor] = {}  # reader thread -> READ_CHUNK encoded pages
+        # encoded pages a reader stages (and decodes together)
+        self.staged_pages = max(self.READ_CHUNK, min(self.POOL_CHUNK, self.STAGING_BYTES // max(1, disk_page_nbytes)))
+        self._staging: dict[int, torch.Tensor] = {}  # reader thread -> staged_pages rows
         self._jobs = ThreadPoolExecutor(loaders, thread_name_prefix="deepinfer-kv-loader")
         self._readers = ThreadPoolExecutor(readers, thread_name_prefix="deepinfer-l3-reader")
         self._cv = threading.Condition()
@@ -211,13 +214,16 @@ class PageLoader:
         return out
 
     def chunk(self, n: int) -> int:
-        """Consecutive pages a reader takes at a time from a run of ``n``: ``READ_CHUNK``, or
-        where chunks are read natively into the pool (no staging rows to bound) more, up to
-        ``POOL_CHUNK`` while every reader still gets one: each native call has a fixed cost (its
-        Python side, the buffers' conversion), a tenth of a load's CPU at 8 pages a call."""
-        if self.batch is None or self._pool_buffers is None:
+        """Consecutive pages a reader takes at a time from a run of ``n``: as many as its
+        staging rows hold (``staged_pages``), or ``POOL_CHUNK`` where chunks are read natively
+        straight into the pool, while every reader still gets one, and ``READ_CHUNK`` at
+        least: each chunk has a fixed cost (its Python side, the native calls' conversion of
+        the buffers), a fifth of a load's CPU at 8 pages a chunk. Page by page straight into
+        the pool (no native reads): ``READ_CHUNK``."""
+        if self.direct_reads and self.batch is None:
             return self.READ_CHUNK
-        return max(self.READ_CHUNK, min(self.POOL_CHUNK, -(-n // self.num_readers)))
+        most = self.POOL_CHUNK if self._pool_buffers is not None else self.staged_pages
+        return max(self.READ_CHUNK, min(most, -(-n // self.num_readers)))
 
     def _read_pages(self, keys: list[str], ids: list[PageId | None], dest: list[int]
                     ) -> list[str]:
@@ -273,10 +279,10 @@ class PageLoader:
                 write_decoded(self.disk_codec, rows[:n].to(self.device), self.transfer, dest[:n])
 
     def _staging_rows(self) -> torch.Tensor:
-        """This reader thread's ``READ_CHUNK`` page rows (pinned on CUDA), made once."""
+        """This reader thread's ``staged_pages`` page rows (pinned on CUDA), made once."""
         tid = threading.get_ident()
         if tid not in self._staging:
-            self._staging[tid] = torch.empty(self.READ_CHUNK, self.disk_page_nbytes,
+            self._staging[tid] = torch.empty(self.staged_pages, self.disk_page_nbytes,
                                              dtype=torch.uint8, pin_memory=self.cuda)
         return self._staging[tid]
 

@@ -65,8 +65,7 @@ void decode_row(const Layout& L, const uint8_t* row, const E4M3& e4m3, const E2M
     const uint8_t* packed = row + (L.codec == kFP4 ? 4 : 0);
     const uint8_t* sb = packed + m / 2;
     if (L.codec == kFP4) {
-      const float g = load_f32(row);
-      for (int64_t b = 0; b < nb; ++b) tmp[b] = e4m3.one(sb[b]) * g;
+      scaled_values(sb, nb, load_f32(row), e4m3, tmp.data());
     } else {
       for (int64_t b = 0; b < nb; ++b) {
         tmp[b] = from_bits(sb[b] == 0 ? 0x00400000u : static_cast<uint32_t>(sb[b]) << 23);  // 0: 2**-127

@@ -146,6 +146,10 @@ struct ByteCodes {
   static __m512i codes16(const uint8_t* c) {
     return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c)));
   }
+  static void pair16(const uint8_t* c, __m512i& lo, __m512i& hi) {  // 32 codes, two vectors
+    lo = codes16(c);
+    hi = codes16(c + 16);
+  }
 #endif
 };
 struct NibbleCodes {
@@ -165,6 +169,14 @@ struct NibbleCodes {
 #ifdef __AVX512F__
   static __m512i codes16(const uint8_t* c) {
     return _mm512_cvtepu8_epi32(spread(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c))));
+  }
+  // 32 codes (16 bytes) as two vectors of e2m1 table indexes: a lane's low 4 bits are its code
+  // (all that E2M1Values::v16 reads), the bits above them the next code's
+  static void pair16(const uint8_t* c, __m512i& lo, __m512i& hi) {
+    const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c));
+    const __m128i h = _mm_srli_epi16(x, 4);
+    lo = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(x, h));
+    hi = _mm512_cvtepu8_epi32(_mm_unpackhi_epi8(x, h));
   }
 #endif
 };
@@ -259,13 +271,30 @@ struct E4M3Values {  // e4m3_bits_value per lane; the table only for the NaN cod
     const __m512 out = _mm512_castsi512_ps(v);
     return nan ? _mm512_mask_i32gather_ps(out, nan, c, table, 4) : out;
   }
-  static __m512 bits16(__m512i c) {  // value * 2**-120; the NaN codes give finite values
-    // s.eeee.mmm << 24, shifted right 4 keeping the sign: s at 31, eeee.mmm at 26-20 once masked
-    const __m512i v = _mm512_srai_epi32(_mm512_slli_epi32(c, 24), 4);
+  // 16 codes (one per byte) as value * 2**-120 (the NaN codes give finite values): s.eeee.mmm
+  // sign-extended, shifted to put eeee.mmm at bits 26-20 and s at 31, the copies of s masked off
+  static __m512 bits16(const uint8_t* c) {
+    const __m512i v = _mm512_slli_epi32(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c))), 20);
     return _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(static_cast<int>(0x87F00000u))));
   }
 #endif
 };
+
+// n codes' values times g -> out, one per byte (fp4's block scales: e4m3 codes times the page's
+// float32 scale): vals.one(code) * g per element
+template <typename Values>
+void scaled_values(const uint8_t* codes, int64_t n, float g, const Values& vals, float* out) {
+  int64_t i = 0;
+#ifdef __AVX512F__
+  const __m512 g16 = _mm512_set1_ps(g);
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(out + i, _mm512_mul_ps(vals.v16(ByteCodes::codes16(codes + i)), g16));
+#endif
+#ifdef __AVX2__
+  const __m256 g8 = _mm256_set1_ps(g);
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, _mm256_mul_ps(vals.v8(ByteCodes::codes8(codes + i)), g8));
+#endif
+  for (; i < n; ++i) out[i] = vals.one(codes[i]) * g;
+}
 
 // Whether every product of a Values code and scale s is zero or a normal float32 within T's
 // finite range (NaN codes aside): exact in double, where a float32 product cannot round past
@@ -333,35 +362,38 @@ inline bool any_nan_code(const uint8_t* c, int64_t n) {
 // vals.v16 (sv = s)
 template <bool Bits, typename Codes, typename Values>
 __m512 plain_values(const uint8_t* c, int64_t i, __m512 sv, const Values& vals) {
-  const __m512i codes = Codes::codes16(c + Codes::offset(i));
-  if constexpr (Bits) return _mm512_mul_ps(Values::bits16(codes), sv);
-  else return _mm512_mul_ps(vals.v16(codes), sv);
+  if constexpr (Bits) {
+    static_assert(std::is_same_v<Codes, ByteCodes>, "code bits are read one code per byte");
+    return _mm512_mul_ps(Values::bits16(c + i), sv);
+  } else {
+    return _mm512_mul_ps(vals.v16(Codes::codes16(c + Codes::offset(i))), sv);
+  }
 }
 
-template <bool Bits, typename Values>
-__m512 plain_scale(float s) {
-  if constexpr (Bits) return _mm512_set1_ps(s * Values::kBitsScale);
-  else return _mm512_set1_ps(s);
-}
-
-// One plain block's whole vectors into bfloat16, one rounding instruction each (Stream: out is
-// 32-byte aligned). -> the elements written
+// One plain block's whole vectors into bfloat16, one rounding instruction each (sv as
+// plain_values; Stream: out is 32-byte aligned). -> the elements written
 template <bool Bits, bool Stream, typename Codes, typename Values>
-int64_t plain_bf16(const uint8_t* c, int64_t block, float s, const Values& vals, c10::BFloat16* out) {
-  const __m512 sv = plain_scale<Bits, Values>(s);
+int64_t plain_bf16(const uint8_t* c, int64_t block, __m512 sv, const Values& vals, c10::BFloat16* out) {
   int64_t i = 0;
   for (; i + 16 <= block; i += 16) Out<c10::BFloat16>::put16_plain<Stream>(out + i, plain_values<Bits, Codes>(c, i, sv, vals));
   return i;
 }
 
-// 16 plain blocks of 16 * V elements (V = 1 or 2, the codecs' default blocks), two vectors per
-// store (Stream: out is 64-byte aligned)
+// 16 plain blocks of 16 * V elements (V = 1 or 2, the codecs' default blocks), their scales sv
+// (as plain_values), two vectors per store (Stream: out is 64-byte aligned)
 template <int V, bool Bits, bool Stream, typename Codes, typename Values>
-void plain_run(const uint8_t* c, const uint8_t* scales, const Values& vals, c10::BFloat16* out) {
+void plain_run(const uint8_t* c, const float* sv, const Values& vals, c10::BFloat16* out) {
+#pragma GCC unroll 16
   for (int q = 0; q < 16 * V; q += 2) {
-    const __m512 lo = plain_values<Bits, Codes>(c, 16 * q, plain_scale<Bits, Values>(load_f32(scales + 4 * (q / V))), vals);
-    const __m512 hi = plain_values<Bits, Codes>(c, 16 * q + 16, plain_scale<Bits, Values>(load_f32(scales + 4 * ((q + 1) / V))), vals);
-    Out<c10::BFloat16>::put32_plain<Stream>(out + 16 * q, lo, hi);
+    const __m512 s0 = _mm512_set1_ps(sv[q / V]), s1 = _mm512_set1_ps(sv[(q + 1) / V]);
+    if constexpr (Bits) {
+      Out<c10::BFloat16>::put32_plain<Stream>(out + 16 * q, plain_values<Bits, Codes>(c, 16 * q, s0, vals),
+                                               plain_values<Bits, Codes>(c, 16 * q + 16, s1, vals));
+    } else {
+      __m512i lo, hi;
+      Codes::pair16(c + Codes::offset(16 * q), lo, hi);
+      Out<c10::BFloat16>::put32_plain<Stream>(out + 16 * q, _mm512_mul_ps(vals.v16(lo), s0), _mm512_mul_ps(vals.v16(hi), s1));
+    }
   }
 }
 
@@ -388,22 +420,25 @@ void bf16_blocks(const uint8_t* codes, int64_t m, int64_t block, const uint8_t* 
     const __mmask16 plain = nan_codes ? 0 : range.mask(s16) & live;
     const __mmask16 bits = plain & _mm512_cmp_ps_mask(_mm512_abs_ps(s16), _mm512_set1_ps(bits_limit), _CMP_LE_OQ);
     const uint8_t* c0 = codes + Codes::offset(b0 * block);
+    alignas(64) float sv[16], sb[16];  // the scales, and times 2**120 for values from bits
+    _mm512_store_ps(sv, s16);
+    _mm512_store_ps(sb, _mm512_mul_ps(s16, _mm512_set1_ps(Values::kBitsScale)));
     if (plain == 0xFFFF && (block == 16 || block == 32) && (bits == 0xFFFF || bits == 0)) {
       const auto run = [&](auto v) {
-        if (kBits && bits) plain_run<decltype(v)::value, kBits, Stream, Codes>(c0, scales + 4 * b0, vals, o + b0 * block);
-        else plain_run<decltype(v)::value, false, Stream, Codes>(c0, scales + 4 * b0, vals, o + b0 * block);
+        if (kBits && bits) plain_run<decltype(v)::value, kBits, Stream, Codes>(c0, sb, vals, o + b0 * block);
+        else plain_run<decltype(v)::value, false, Stream, Codes>(c0, sv, vals, o + b0 * block);
       };
       if (block == 16) run(std::integral_constant<int, 1>{});
       else run(std::integral_constant<int, 2>{});
       continue;
     }
     for (int64_t j = 0; j < k; ++j) {
-      const float s = load_f32(scales + 4 * (b0 + j));
+      const float s = sv[j];
       const uint8_t* c = codes + Codes::offset((b0 + j) * block);
       c10::BFloat16* out = o + (b0 + j) * block;
       int64_t i = 0;
-      if (kBits && (bits >> j & 1)) i = plain_bf16<kBits, Stream, Codes>(c, block, s, vals, out);
-      else if (plain >> j & 1) i = plain_bf16<false, Stream, Codes>(c, block, s, vals, out);
+      if (kBits && (bits >> j & 1)) i = plain_bf16<kBits, Stream, Codes>(c, block, _mm512_set1_ps(sb[j]), vals, out);
+      else if (plain >> j & 1) i = plain_bf16<false, Stream, Codes>(c, block, _mm512_set1_ps(s), vals, out);
       block_rest<Codes>(c, i, block, s, vals, out);
     }
   }
