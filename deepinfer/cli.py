@@ -117,7 +117,7 @@ def add_speculative_args(p: argparse.ArgumentParser) -> None:
                              "index, scheduled; none turns it off)")
     s.add_argument("--speculative-method", default=d.method, choices=METHODS,
                    help="auto (ngram or suffix, whichever is calibrated better per request; off "
-                        "with --overlap-schedule or --kv-stream-layers); ngram: prompt lookup in "
+                        "with --overlap-schedule); ngram: prompt lookup in "
                         "the request; suffix: continuations seen in other requests and earlier "
                         "turns; draft_model: --speculative-draft-model; none: off")
     s.add_argument("--speculative-draft-model", default=None, metavar="PATH",

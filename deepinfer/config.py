@@ -60,12 +60,13 @@ class EngineConfig:
     # many MiB per idle period (kv/tiers/promotion.py); 0 = off (the default)
     kv_idle_promote_mb: float = 0.0
     # L3 hits load layer by layer and their prefill starts at once, layer i waiting for its KV
-    # (kv/tiers/layer_stream.py); not with overlap_schedule or speculative decoding
+    # (kv/tiers/layer_stream.py); not with overlap_schedule (a streaming request is not drafted
+    # for while its step runs on the stream)
     kv_stream_layers: bool = False
     # spec/: on by default, method auto, scheduled (Algorithm 1 verifies only drafts that pay;
     # README "Speculative decoding"); None or method none: off. auto steps aside for
-    # overlap_schedule and kv_stream_layers, which cannot run with it, and for quantized
-    # weights, where it did not pay (an explicit method still speculates there)
+    # overlap_schedule, which cannot run with it, and for quantized weights, where it did not
+    # pay (an explicit method still speculates there)
     speculative_config: SpeculativeConfig | None = field(default_factory=SpeculativeConfig)
     # overlap.py: the engine schedules step N+1 and lands N-1 while N's forward runs on a worker
     # thread; outputs are identical either way
@@ -127,7 +128,7 @@ class EngineConfig:
             raise ValueError(f"dtype must be auto or one of {sorted(_DTYPES)}, got {self.dtype!r}")
         sc = self.speculative_config
         if sc is not None and (sc.method == "none" or (sc.method == "auto" and (
-                self.overlap_schedule or self.kv_stream_layers or self.quantization != "none"))):
+                self.overlap_schedule or self.quantization != "none"))):
             self.speculative_config = None  # one way to say off downstream
 
     def disk_cache_path(self) -> str | None:

@@ -127,7 +127,7 @@ def build_cache_manager(config: EngineConfig, device_kv: DeviceKV, model_identit
     policy = TierPolicy(c.cache_policy, c.selective_hits, int(c.kv_idle_promote_mb * 2**20))
     window = device_kv.window
     if window is None:
-        stream = c.kv_stream_layers and not c.overlap_schedule and c.speculative_config is None
+        stream = c.kv_stream_layers and not c.overlap_schedule
         return KVCacheManager(*args, tiers=tiers, policy=policy, max_loads=2 * c.max_num_seqs,
                               stream_layers=stream)
     layout = window.layout

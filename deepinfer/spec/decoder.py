@@ -70,8 +70,10 @@ class SpeculativeDecoder:
                           self.max_model_len - req.num_tokens - 1))
 
     def _drafts(self, items: list[tuple[Request, int]], budget: int) -> dict[Request, Draft]:
+        # not a request whose KV is still streaming in (``kv_load`` set at step time): its step
+        # is provisional (a page failing its check drops the step's token), a verified span not
         asks = [(req, self._room(req)) for req, n in items
-                if n == 1 and req.num_computed_tokens == req.num_tokens - 1]
+                if n == 1 and req.num_computed_tokens == req.num_tokens - 1 and req.kv_load is None]
         asks = [(req, room) for req, room in asks if room > 0]
         drafts: dict[Request, Draft] = {}
         for (req, _), d in zip(asks, self.source.propose_batch(asks)):
@@ -108,7 +110,8 @@ class SpeculativeDecoder:
         try:
             sampled, logits = self.runner.forward_spans(
                 run, {r: len(d.tokens) + 1 for r, d in drafts.items()})
-            if self.sps is not None and len(run) == 1 and items[0][1] == 1:  # one decoding request
+            if self.sps is not None and len(run) == 1 and items[0][1] == 1 and items[0][0].kv_load is None:
+                # one decoding request (not one waiting on a stream: that step times the load)
                 sync(self.runner.device)
                 self.sps.observe(run[0][0], run[0][1], time.perf_counter() - t0)
         except Exception:

@@ -21,9 +21,9 @@ def test_default_is_auto_scheduled_and_none_turns_it_off():
     assert sc is not None and (sc.method, sc.scheduled, sc.num_tokens) == ("auto", True, 8)
     assert EngineConfig(speculative_config=SpeculativeConfig(method="none")).speculative_config is None
     assert EngineConfig(speculative_config=None).speculative_config is None
-    # the default yields to overlap scheduling and layer streaming; an explicit method does not
+    # the default yields to overlap scheduling (not to layer streaming); an explicit method does not
     assert EngineConfig(overlap_schedule=True).speculative_config is None
-    assert EngineConfig(kv_stream_layers=True).speculative_config is None
+    assert EngineConfig(kv_stream_layers=True).speculative_config == SpeculativeConfig()
     assert EngineConfig(quantization="int4").speculative_config is None  # did not pay: README
     assert EngineConfig(quantization="int8", speculative_config=SpeculativeConfig()).speculative_config is None
     ngram = SpeculativeConfig(method="ngram")

@@ -25,6 +25,7 @@ from deepinfer.kv.tiers.page_bytes import PoolTransfer
 from deepinfer.kv.tiers.tier_io import TierIO
 from deepinfer.llm import LLM
 from deepinfer.sampling_params import SamplingParams
+from deepinfer.spec.config import SpeculativeConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 PS = 4
@@ -224,6 +225,33 @@ def test_a_page_failing_its_check_after_the_forward_is_recomputed(tiny_llama, tm
     assert st["cache_streamed_loads_total"] == st["cache_streamed_rewinds_total"] == 1
     assert st["disk"]["checksum_failures"] == 1  # quarantined, and the recomputed page written
     assert files[10].read_bytes() != bytes(data)
+
+
+@pytest.mark.parametrize("decode_row", [False, True])
+def test_speculation_runs_beside_a_stream_that_rewinds(tiny_llama, tmp_path, on_disk, forward_first, decode_row):
+    """Speculative decoding with layer streaming: the streamed step drafts nothing (a page that
+    fails its check drops that step's token), the decodes after it draft and verify; with a
+    page damaged the request rewinds and the tokens are still the cold ones. ``decode_row``:
+    one token after the cached pages, one that occurred earlier (prompt lookup would draft)."""
+    p, files = on_disk
+    tokens = p[:100] + [p[5]] if decode_row else p + [7, 8, 9]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    plain = make(tiny_llama, tmp_path / "none", speculative_config=None)
+    cold = plain.generate(tokens, params)[0]
+    plain.engine.shutdown()
+    data = bytearray(files[10].read_bytes())
+    data[-20] ^= 0xFF
+    files[10].write_bytes(bytes(data))
+    calls = forward_first(group=1)
+    llm = make(tiny_llama, tmp_path, kv_stream_layers=True, speculative_config=SpeculativeConfig(method="ngram"))
+    out = llm.generate(tokens, params)[0]
+    st, spec = llm.engine.stats(), llm.engine.spec
+    llm.engine.shutdown()
+    assert calls[0] >= 1 and spec is not None
+    assert st["cache_streamed_loads_total"] == st["cache_streamed_rewinds_total"] == 1
+    assert out.token_ids == cold.token_ids
+    assert out.cached_tokens_by_tier["disk"] == 40
+    assert sum(c.verified for c in spec.totals.values()) > 0
 
 
 def test_a_loader_dying_mid_read_leaves_nothing_applied(tiny_llama, tmp_path, on_disk,
