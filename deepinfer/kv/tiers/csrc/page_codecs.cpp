@@ -1,7 +1,7 @@
 // Lossy KV page codecs on CPU pages, bit-identical to the torch ones (codecs.py, minifloat.py).
 // Decode writes n pages' bytes (staging rows, page_bytes.py's layout) straight into each owned
 // buffer of the L1 pool: float32 table value times float32 scale, clamped to the dtype's finite
-// range, rounded to nearest even, with the caller's tables (page_values.h: AVX-512, AVX2 or
+// range, rounded to nearest even, with the caller's tables (page_blocks.h: AVX-512, AVX2 or
 // scalar, without a table gather where the table allows). Encode (fp8, fp4, mxfp4) repeats the
 // torch encode's float32 steps in its order, without its dozen temporaries per page. One call
 // runs on its caller's thread: the loader's readers and the tier writers each run their own
@@ -19,7 +19,7 @@
 #include <string>
 #include <vector>
 
-#include "page_values.h"
+#include "page_blocks.h"
 
 namespace {
 
@@ -147,7 +147,7 @@ void decode_into(const at::Tensor& rows, const at::Tensor& pages, at::TensorList
     run(TableValues{t8});
   }
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-  _mm_sfence();  // the streaming stores (page_values.h) visible before the caller says the pages are in
+  _mm_sfence();  // the streaming stores (page_blocks.h) visible before the caller says the pages are in
 #endif
 }
 
