@@ -325,9 +325,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps({"cpu": cpu, "rows": rows, "promotion": promo},
                                                  indent=2))
-    peer_md = llamacpp_cache.markdown(rows)
-    md = markdown(rows, cpu) + ("\n" + peer_md if peer_md else "")
-    md += "\n" + promotion_markdown(promo) if promo else ""
+    extra = [llamacpp_cache.markdown(rows), promotion_markdown(promo) if promo else ""]
+    md = markdown(rows, cpu) + "".join("\n" + part for part in extra if part)
     (out / "summary.md").write_text(md)
     print(md)
 

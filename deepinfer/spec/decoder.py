@@ -70,8 +70,9 @@ class SpeculativeDecoder:
                           self.max_model_len - req.num_tokens - 1))
 
     def _drafts(self, items: list[tuple[Request, int]], budget: int) -> dict[Request, Draft]:
-        # not a request whose KV is still streaming in (``kv_load`` set at step time): its step
-        # is provisional (a page failing its check drops the step's token), a verified span not
+        # not a request whose KV is still streaming in (``kv_load`` set at step time): a page
+        # failing its check after the step drops the step's token, and a verified span could
+        # not be taken back
         asks = [(req, self._room(req)) for req, n in items
                 if n == 1 and req.num_computed_tokens == req.num_tokens - 1 and req.kv_load is None]
         asks = [(req, room) for req, room in asks if room > 0]

@@ -74,7 +74,8 @@ class PageLoader:
         if not self.cuda:  # build or load the native decode now, not in a request's load
             native_decodes(disk_codec, self.dtype)
         # encoded pages a reader stages (and decodes together)
-        self.staged_pages = max(self.READ_CHUNK, min(self.POOL_CHUNK, self.STAGING_BYTES // max(1, disk_page_nbytes)))
+        self.staged_pages = max(self.READ_CHUNK,
+                                min(self.POOL_CHUNK, self.STAGING_BYTES // max(1, disk_page_nbytes)))
         self._staging: dict[int, torch.Tensor] = {}  # reader thread -> staged_pages rows
         self._jobs = ThreadPoolExecutor(loaders, thread_name_prefix="deepinfer-kv-loader")
         self._readers = ThreadPoolExecutor(readers, thread_name_prefix="deepinfer-l3-reader")

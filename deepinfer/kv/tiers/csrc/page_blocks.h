@@ -28,15 +28,6 @@ void scaled_values(const uint8_t* codes, int64_t n, float g, const Values& vals,
   for (; i < n; ++i) out[i] = vals.one(codes[i]) * g;
 }
 
-// Whether every product of a Values code and scale s is zero or a normal float32 within T's
-// finite range (NaN codes aside): exact in double, where a float32 product cannot round past
-// the bounds (both are float32 values).
-template <typename T, typename Values>
-bool plain_block(float s) {
-  const double a = std::fabs(static_cast<double>(s));
-  return a == 0.0 || (a * Values::kMinNonzero >= FLT_MIN && a * Values::kMaxAbs <= Out<T>::kMax);
-}
-
 // codes i.. of one block (Codes' packing) times scale s, valued by vals -> out[i..block): the
 // exact expression per element, on any ISA
 template <typename Codes, typename T, typename Values>
@@ -55,6 +46,15 @@ void block_rest(const uint8_t* c, int64_t i, int64_t block, float s, const Value
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
+// Whether every product of a Values code and scale s is zero or a normal float32 within T's
+// finite range (NaN codes aside): exact in double, where a float32 product cannot round past
+// the bounds (both are float32 values).
+template <typename T, typename Values>
+bool plain_block(float s) {
+  const double a = std::fabs(static_cast<double>(s));
+  return a == 0.0 || (a * Values::kMinNonzero >= FLT_MIN && a * Values::kMaxAbs <= Out<T>::kMax);
+}
+
 // The |s| for which plain_block<T, Values>(s) holds, as float bounds: s == 0 or lo <= |s| <= hi
 // (both conditions are monotone in |s|); lo > hi where none does (a table of unknown values).
 template <typename T, typename Values>
@@ -69,10 +69,9 @@ struct PlainScales {
     while (!plain_block<T, Values>(hi)) hi = std::nextafter(hi, 0.0f);
     while (plain_block<T, Values>(std::nextafter(hi, FLT_MAX))) hi = std::nextafter(hi, FLT_MAX);
   }
-  // which of 16 scales are plain (none for a table of unknown values)
-  __mmask16 mask(__m512 s) const {
+  // which of 16 scales (as |s|) are plain (none for a table of unknown values)
+  __mmask16 mask(__m512 a) const {
     if (Values::kMaxAbs == 0.0f) return 0;
-    const __m512 a = _mm512_abs_ps(s);
     return _mm512_cmp_ps_mask(a, _mm512_setzero_ps(), _CMP_EQ_OQ)
            | (_mm512_cmp_ps_mask(a, _mm512_set1_ps(lo), _CMP_GE_OQ) & _mm512_cmp_ps_mask(a, _mm512_set1_ps(hi), _CMP_LE_OQ));
   }
@@ -148,13 +147,13 @@ void bf16_blocks(const uint8_t* codes, int64_t m, int64_t block, const uint8_t* 
   for (int64_t b0 = 0; b0 < nb; b0 += 16) {
     const int64_t k = std::min<int64_t>(16, nb - b0);
     const __mmask16 live = static_cast<__mmask16>((1u << k) - 1);
-    const __m512 s16 = _mm512_maskz_loadu_ps(live, scales + 4 * b0);
-    const __mmask16 plain = nan_codes ? 0 : range.mask(s16) & live;
-    const __mmask16 bits = plain & _mm512_cmp_ps_mask(_mm512_abs_ps(s16), _mm512_set1_ps(bits_limit), _CMP_LE_OQ);
+    const __m512 s16 = _mm512_maskz_loadu_ps(live, scales + 4 * b0), a16 = _mm512_abs_ps(s16);
+    const __mmask16 plain = nan_codes ? 0 : range.mask(a16) & live;
+    const __mmask16 bits = plain & _mm512_cmp_ps_mask(a16, _mm512_set1_ps(bits_limit), _CMP_LE_OQ);
     const uint8_t* c0 = codes + Codes::offset(b0 * block);
     alignas(64) float sv[16], sb[16];  // the scales, and times 2**120 for values from bits
     _mm512_store_ps(sv, s16);
-    _mm512_store_ps(sb, _mm512_mul_ps(s16, _mm512_set1_ps(Values::kBitsScale)));
+    if constexpr (kBits) _mm512_store_ps(sb, _mm512_mul_ps(s16, _mm512_set1_ps(Values::kBitsScale)));
     if (plain == 0xFFFF && (block == 16 || block == 32) && (bits == 0xFFFF || bits == 0)) {
       const auto run = [&](auto v) {
         if (kBits && bits) plain_run<decltype(v)::value, kBits, Stream, Codes>(c0, sb, vals, o + b0 * block);
