@@ -303,6 +303,10 @@ class DiskStore(PageStore):
                 self._add_locked(key, size)
         return True
 
+    def resident(self, key: str) -> bool:
+        """Whether page ``key``'s file is in the OS page cache (``disk_dir.in_page_cache``)."""
+        return disk_dir.in_page_cache(self.file_path(key))
+
     def known(self, key: str) -> bool:
         """Index-only presence check, no system call: files this process wrote, found at open or
         has read since (not those other processes added meanwhile). For scans on the hot path."""

@@ -2,7 +2,7 @@
 
 One loader thread per job (``loaders`` of them) walks the job in chain order. L2 slots are
 decoded into their pages. L3 pages are spread over the reader threads (``readers``), each taking
-the next ``chunk`` pages, so the pages the prefill needs first land first. A lossless page
+the next chunk of pages (``chunks``), so the pages the prefill needs first land first. A lossless page
 in host memory is read with one ``preadv`` straight into its L1 buffers and checked there: no
 intermediate copy. From a plain directory a reader's whole chunk is one native call without the
 GIL (``batch_reads.py``), elsewhere one ``PageStore.read_into`` per page. Other codecs, and CUDA,
@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from ...threads import available_cores
 from ..radix import DISK, HOST
 from .backend import LoadJob
 from .batch_reads import BatchReads
@@ -43,7 +44,7 @@ log = logging.getLogger(__name__)
 class PageLoader:
     """Runs ``LoadJob``s for ``TierIO`` (which owns the stores, the codecs and the writers)."""
 
-    READ_CHUNK = 8  # consecutive L3 pages one reader takes at a time, at least (``chunk``)
+    READ_CHUNK = 8  # consecutive L3 pages one reader takes at a time, at least (``chunks``)
     POOL_CHUNK = 32  # at most
     STAGING_BYTES = 8 << 20  # a reader's staging rows hold at most this much (or READ_CHUNK pages)
 
@@ -65,6 +66,7 @@ class PageLoader:
         self.wait_written = wait_written  # returns once an L3 key's pending write has landed
         self._side = side  # CUDA side stream (None on CPU)
         self.num_readers = readers
+        self.cores = available_cores()
         # lossless pages in host memory are read straight into their L1 buffers
         self.direct_reads = disk_codec.name == "lossless" and transfer.page_views(0) is not None
         # a plain directory's pages read and checked natively, a chunk per call (no GIL held)
@@ -183,28 +185,30 @@ class PageLoader:
 
     def _load_disk(self, keys: list[str], ids: list[PageId | None], dest: list[int],
                    job: LoadJob) -> list[str]:
-        """Read L3 pages into ``dest`` on up to ``num_readers`` reader threads, each taking the
-        next ``chunk`` pages in chain order; the first miss stops the pages after it.
+        """Read L3 pages into ``dest`` on the reader threads (``readers_for``), each taking the
+        next chunk (``chunks``) in chain order; the first miss stops the pages after it.
         -> per leading page in place: where it came from (``page_store.py``'s origins)."""
         done: dict[int, tuple[list[str], int]] = {}  # chunk start -> (pages in place, length)
-        step = self.chunk(len(keys))
+        readers = self.readers_for(keys)
+        chunks = self.chunks(len(keys), readers)
         nxt, stop = [0], [len(keys)]
         lock = threading.Lock()
 
         def reader() -> None:
             while True:
                 with lock:
-                    i = nxt[0]
-                    if i >= stop[0] or job.cancelled:
+                    if nxt[0] >= len(chunks) or chunks[nxt[0]].start >= stop[0] or job.cancelled:
                         return
-                    nxt[0] = j = min(i + step, stop[0])
+                    c = chunks[nxt[0]]
+                    nxt[0] += 1
+                i, j = c.start, min(c.stop, stop[0])
                 ok = self._read_pages(keys[i:j], ids[i:j], dest[i:j])
                 done[i] = (ok, j - i)
                 if len(ok) < j - i:
                     with lock:
                         stop[0] = min(stop[0], i + len(ok))
 
-        for f in [self._readers.submit(reader) for _ in range(min(self.num_readers, len(keys)))]:
+        for f in [self._readers.submit(reader) for _ in range(min(readers, len(chunks)))]:
             f.result()
         out: list[str] = []
         while len(out) in done:
@@ -214,17 +218,35 @@ class PageLoader:
                 break
         return out
 
-    def chunk(self, n: int) -> int:
-        """Consecutive pages a reader takes at a time from a run of ``n``: as many as its
-        staging rows hold (``staged_pages``), or ``POOL_CHUNK`` where chunks are read natively
-        straight into the pool, while every reader still gets one, and ``READ_CHUNK`` at
-        least: each chunk has a fixed cost (its Python side, the native calls' conversion of
-        the buffers), a fifth of a load's CPU at 8 pages a chunk. Page by page straight into
-        the pool (no native reads): ``READ_CHUNK``."""
-        if self.direct_reads and self.batch is None:
-            return self.READ_CHUNK
-        most = self.POOL_CHUNK if self._pool_buffers is not None else self.staged_pages
-        return max(self.READ_CHUNK, min(most, -(-n // self.num_readers)))
+    def readers_for(self, keys: list[str]) -> int:
+        """Reader threads for a run of L3 pages: all of them where the files must come from the
+        device (each keeps a read in flight), no more than the cores where the run's first,
+        middle and last files are in the OS page cache: the load is then memory work, and
+        threads beyond the cores only take turns (and each other's CPU caches)."""
+        assert self.store is not None
+        probe = {keys[0], keys[len(keys) // 2], keys[-1]} if keys else set()
+        if self.cores < self.num_readers and probe and all(self.store.resident(k) for k in probe):
+            return self.cores
+        return self.num_readers
+
+    def chunks(self, n: int, readers: int) -> list[range]:
+        """A run of ``n`` L3 pages cut into the chunks ``readers`` threads take in turn, in chain
+        order. Each is a ``readers``-th of the pages left, so the chunks shrink towards the end and
+        the readers finish together (equal chunks left one reader idle for a chunk's time at the
+        end, an eighth of a 480-page load on two readers); at most what a reader's staging rows
+        hold (``staged_pages``), or ``POOL_CHUNK`` where chunks are read natively straight into
+        the pool; ``READ_CHUNK`` at least: a chunk has a fixed cost (its Python side, the native
+        calls' conversion of the buffers). Page by page straight into the pool (no native
+        reads): ``READ_CHUNK`` each."""
+        most = (self.READ_CHUNK if self.direct_reads and self.batch is None
+                else self.POOL_CHUNK if self._pool_buffers is not None else self.staged_pages)
+        out: list[range] = []
+        i = 0
+        while i < n:
+            size = max(self.READ_CHUNK, min(most, -(-(n - i) // readers)))
+            out.append(range(i, min(n, i + size)))
+            i = out[-1].stop
+        return out
 
     def _read_pages(self, keys: list[str], ids: list[PageId | None], dest: list[int]
                     ) -> list[str]:

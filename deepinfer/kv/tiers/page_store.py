@@ -61,6 +61,11 @@ class PageStore(ABC):
     @abstractmethod
     def close(self) -> None: ...
 
+    def resident(self, key: str) -> bool:
+        """Whether reading page ``key`` is memory work, not device (or network) work: the
+        loader then runs no more reader threads than cores. Not known here: False."""
+        return False
+
     def read_into(self, key: str, dest: list[memoryview], expect: PageId | None = None) -> bool:
         """Like ``get``, the payload into the caller's buffers ``dest`` (here a copy; the
         directory store reads straight into them). False if absent, bad or not ``dest``'s size."""

@@ -261,6 +261,53 @@ def test_parallel_l3_load_lands_in_the_dest_pages_in_chain_order(tmp_path, codec
     t.close()
 
 
+@pytest.mark.parametrize("codec", ["lossless", "fp8"])
+@pytest.mark.parametrize("readers", [1, 2, 4])
+def test_l3_chunks_tile_the_run_in_order_and_shrink_so_readers_finish_together(tmp_path, codec, readers):
+    p = big_pool(1)
+    t = io(p, tmp_path, host_bytes=0, disk_codec=codec)
+    most = PageLoader.POOL_CHUNK if codec == "lossless" else t.loader.staged_pages
+    for n in (0, 1, 7, 8, 9, 40, 129, 480, 1001):
+        chunks = t.loader.chunks(n, readers)
+        assert [i for c in chunks for i in c] == list(range(n))  # every page once, in chain order
+        sizes = [len(c) for c in chunks]
+        assert sizes == sorted(sizes, reverse=True)
+        assert all(min(n, PageLoader.READ_CHUNK) <= s <= most for s in sizes[:-1])
+        # each chunk is at most a readers-th of what is left: the last ones are small
+        left = n
+        for s in sizes:
+            assert s <= max(PageLoader.READ_CHUNK, -(-left // readers))
+            left -= s
+    t.close()
+
+
+def test_a_load_from_the_page_cache_runs_no_more_readers_than_cores(tmp_path):
+    n = 24
+    p = big_pool(n)
+    t = io(p, tmp_path, host_bytes=0, disk_codec="fp8", read_ahead=4)
+    hs = [i.to_bytes(4, "little") * 4 for i in range(n)]
+    keys = [t.disk_key(h) for h in hs]
+    assert t.device_to_disk(list(range(1, n + 1)), keys, ids(hs)) and t.flush()
+    t.loader.cores = 2
+    assert all(t.store.resident(k) for k in keys)  # just written
+    assert t.loader.readers_for(keys) == 2
+    for k in keys[n // 2:]:  # the run's middle and last files must come from the device
+        fd = os.open(t.store.file_path(k), os.O_RDONLY)
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+    assert not t.store.resident(keys[-1]) and t.loader.readers_for(keys) == 4
+    job = LoadJob(sources=[(DISK, k) for k in keys], source_ids=ids(hs), dest=list(range(n + 1, 2 * n + 1)))
+    t.start_load(job)
+    wait_done(job)
+    assert job.num_loaded == n
+    want = decode_pages(t.disk_codec, encode_pages(t.disk_codec, p.read_pages(list(range(1, n + 1)))),
+                        t.shapes, torch.float32)
+    for w, got in zip(want, p.read_pages(list(range(n + 1, 2 * n + 1)))):
+        assert torch.equal(w, got)
+    t.close()
+
+
 @pytest.mark.parametrize("how", ["reader dies", "file damaged"])
 def test_a_failure_mid_load_applies_exactly_the_pages_before_it(tmp_path, how):
     n, bad = 4 * PageLoader.POOL_CHUNK, PageLoader.POOL_CHUNK + 3
@@ -299,7 +346,9 @@ def test_a_failure_mid_load_applies_exactly_the_pages_before_it(tmp_path, how):
     t.start_load(job)
     wait_done(job)
     # a reader that dies in a native batch loses its chunk: only whole chunks before it count
-    good = bad - bad % t.loader.chunk(n) if how == "reader dies" and t.loader.batch else bad
+    good = bad
+    if how == "reader dies" and t.loader.batch:
+        good = next(c.start for c in t.loader.chunks(n, t.loader.readers_for(keys)) if bad in c)
     assert job.num_loaded == good and job.failed_at == good
     assert job.page_tiers == [DISK] * good
     pages_equal(p, p, list(range(1, good + 1)), list(range(n + 1, n + good + 1)))
