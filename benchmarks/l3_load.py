@@ -47,6 +47,7 @@ import xxhash  # noqa: E402
 from tiers import drop_page_cache  # noqa: E402
 
 from deepinfer.hardware import lscpu_model  # noqa: E402
+from deepinfer.threads import available_cores  # noqa: E402
 from deepinfer.kv.layout import KVSpec  # noqa: E402
 from deepinfer.kv.pool import PagePool  # noqa: E402
 from deepinfer.kv.radix import DISK  # noqa: E402
@@ -196,7 +197,7 @@ def one_codec(codec: str, n: int, rounds: int, readers: int, work: Path,
                 b[1 + c : 1 + min(span.stop, c + 32)].fill_(0.5)
 
     def read_write() -> None:
-        threads, parts = torch.get_num_threads(), len(os.sched_getaffinity(0))
+        threads, parts = torch.get_num_threads(), available_cores()
         torch.set_num_threads(1)  # one core each: the fills run on the Python threads
         workers = [threading.Thread(target=read_fill, args=(i, parts)) for i in range(parts)]
         for w in workers:

@@ -50,8 +50,9 @@ def test_a_loader_killed_mid_read_leaves_nothing_half_applied(tiny_llama, refere
     before_reads(eng, dies)
     out = b.generate(p, GREEDY)[0]
     # a native batch read dies with its whole chunk: only the chunks before it count
-    loader = eng.tiers.loader
-    good = next(c.start for c in loader.chunks(29, loader.readers_for(keys)) if 11 in c) if loader.batch else 11
+    loader, good = eng.tiers.loader, 11
+    if loader.batch:
+        good = next(c.start for c in loader.chunks(29, loader.readers_for(keys)) if 11 in c)
     assert out.token_ids == reference([p])[0]
     assert out.cached_tokens_by_tier == {"device": 0, "host": 0, "disk": good * PS}
     assert out.num_computed_tokens == 120 - good * PS
