@@ -18,10 +18,7 @@ out bit-identical. Prints seconds (best of the rounds), each one's speed as a sh
 and the CPU seconds the process spent (best of the rounds; steadier than wall time where other
 work shares the cores) and the most minor page faults one round took; ``raw`` reads into one reused
 buffer that stays in the CPU cache, ``raw-distinct`` the same files into distinct memory touched
-beforehand (the bound for a load, which writes 384 MB of distinct, already touched L1 memory);
-for lossy codecs ``read+write``, the memory traffic a load cannot avoid without its arithmetic:
-``raw``'s reads and a fill of the decoded bytes' L1 pages, the files and pages split over one
-thread per core (each reads 32 files, then fills their pages).
+beforehand (the bound for a load, which writes 384 MB of distinct, already touched L1 memory).
 
     python benchmarks/l3_load.py [--pages 520] [--codecs lossless,fp8,fp4] [--rounds 3]
         [--readers 4] [--dtype bfloat16]
@@ -34,7 +31,6 @@ import os
 import resource
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -47,7 +43,6 @@ import xxhash  # noqa: E402
 from tiers import drop_page_cache  # noqa: E402
 
 from deepinfer.hardware import lscpu_model  # noqa: E402
-from deepinfer.threads import available_cores  # noqa: E402
 from deepinfer.kv.layout import KVSpec  # noqa: E402
 from deepinfer.kv.pool import PagePool  # noqa: E402
 from deepinfer.kv.radix import DISK  # noqa: E402
@@ -181,35 +176,9 @@ def one_codec(codec: str, n: int, rounds: int, readers: int, work: Path,
             into.wait(1.0)
         assert job.num_loaded == n, job.num_loaded
 
-    filled = PagePool(SPECS, n + 1, PAGE, dtype, torch.device("cpu"))
-    for b in filled.owned_buffers():
-        b.fill_(1.0)  # touched: no page faults
-
-    def read_fill(part: int, parts: int) -> None:
-        buf = bytearray(1 << 22)
-        span = range(part * n // parts, (part + 1) * n // parts)
-        for c in range(span.start, span.stop, 32):
-            for p in files[c : min(span.stop, c + 32)]:
-                with open(p, "rb", buffering=0) as f:
-                    while f.readinto(buf):
-                        pass
-            for b in filled.owned_buffers():
-                b[1 + c : 1 + min(span.stop, c + 32)].fill_(0.5)
-
-    def read_write() -> None:
-        threads, parts = torch.get_num_threads(), available_cores()
-        torch.set_num_threads(1)  # one core each: the fills run on the Python threads
-        workers = [threading.Thread(target=read_fill, args=(i, parts)) for i in range(parts)]
-        for w in workers:
-            w.start()
-        for w in workers:
-            w.join()
-        torch.set_num_threads(threads)
-
     cases = {"raw": raw, "raw-distinct": raw_distinct, "load": load, "load-py": lambda: load(py_loader)}
     if codec != "lossless":
         cases["load-torch"] = lambda: load(torch_loader)
-        cases["read+write"] = read_write
     else:  # the in-place floor and the one-thread check (other codecs decode)
         cases.update({"copy": copy, "copy+tag": copy_tag, "layers": layers, "store": read_into})
     out: dict[str, dict] = {}
