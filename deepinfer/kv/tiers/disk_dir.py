@@ -28,9 +28,10 @@ def check_key(key: str) -> None:
 
 
 def page_path(root: str, key: str) -> str:
-    """The file of page ``key`` (checked) under ``root``."""
+    """The file of page ``key`` (checked) under ``root`` (a load builds one per page it reads:
+    a format string, not ``os.path.join``, which cost more than the check)."""
     check_key(key)
-    return os.path.join(root, key[:2], key + ".kv")
+    return f"{root}/{key[:2]}/{key}.kv"
 
 
 def fanout_dirs(root: str) -> list[os.DirEntry[str]]:

@@ -8,6 +8,8 @@ converting float8 element by element on CPU."""
 
 from __future__ import annotations
 
+from functools import cache
+
 import torch
 
 E4M3_MAX = 448.0
@@ -99,9 +101,10 @@ def e4m3_decode(codes: torch.Tensor, native: bool) -> torch.Tensor:
     return _gather(_table("e4m3-native" if native else "e4m3", codes.device), codes).reshape(codes.shape)
 
 
+@cache
 def decode_tables(native: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The CPU tables the decode gathers from: e4m3 [256] and e2m1 [16] float32 (for native code
-    that must give the same values)."""
+    that must give the same values; built once: every native decode call passes them)."""
     cpu = torch.device("cpu")
     return _table("e4m3-native" if native else "e4m3", cpu), _table("e2m1-pairs", cpu)[:16, 0].contiguous()
 

@@ -54,6 +54,7 @@ class PoolTransfer:
     def __init__(self, pool: PagePool) -> None:
         self.pool = pool
         bufs = pool.owned_buffers()
+        self._buffers = bufs  # (a load's every decode call asks for them)
         self.shapes = [tuple(b.shape[1:]) for b in bufs]
         self.dtype = pool.dtype
         self.device = bufs[0].device
@@ -90,7 +91,7 @@ class PoolTransfer:
         return [mv[page * n : (page + 1) * n] for mv, n in zip(self._bytes, self._page_nbytes)]
 
     def host_buffers(self) -> list[torch.Tensor] | None:
-        return None if self._bytes is None else self.pool.owned_buffers()
+        return None if self._bytes is None else self._buffers
 
 
 def page_nbytes(codec: Codec, shapes: list[tuple[int, ...]], dtype: torch.dtype) -> int:
