@@ -112,7 +112,10 @@ template <> struct Out<c10::BFloat16> {
   // two vectors as put16_plain does each, in one 64-byte store (Stream: o is 64-byte aligned)
   template <bool Stream>
   static void put32_plain(c10::BFloat16* o, __m512 lo, __m512 hi) {
-    const __m512i r = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo));
+    store32<Stream>(o, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
+  }
+  template <bool Stream>
+  static void store32(c10::BFloat16* o, __m512i r) {  // 32 bfloat16 bit patterns
     if constexpr (Stream) _mm512_stream_si512(reinterpret_cast<__m512i*>(o), r);
     else _mm512_storeu_si512(o, r);
   }
