@@ -111,18 +111,19 @@ int64_t plain_bf16(const uint8_t* c, int64_t block, __m512 sv, const Values& val
 }
 
 // 16 plain blocks of 16 * V elements (V = 1 or 2, the codecs' default blocks), their scales sv
-// (as plain_values), two vectors per store (Stream: out is 64-byte aligned). Blocks of 16 e2m1
-// codes: the 16 values times each of two blocks' scales, rounded once (32 bfloat16), then one
-// word permute per 32 codes picks them: the same products and rounding as per element.
+// (as plain_values), two vectors per store (Stream: out is 64-byte aligned). e2m1 codes: the 16
+// values times the scales of the two blocks 32 codes span (the same block's twice where V = 2),
+// rounded once (32 bfloat16), then one word permute per 32 codes picks them: the same products
+// and rounding as per element.
 template <int V, bool Bits, bool Stream, typename Codes, typename Values>
 void plain_run(const uint8_t* c, const float* sv, const Values& vals, c10::BFloat16* out) {
-  if constexpr (V == 1 && std::is_same_v<Values, E2M1Values>) {
+  if constexpr (std::is_same_v<Values, E2M1Values>) {
     const __m512i code = _mm512_set1_epi16(0x0F);
     const __m512i second = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(16), 1);
 #pragma GCC unroll 8
-    for (int q = 0; q < 16; q += 2) {
+    for (int q = 0; q < 16 * V; q += 2) {
       const __m512i table = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(
-          _mm512_mul_ps(vals.all, _mm512_set1_ps(sv[q + 1])), _mm512_mul_ps(vals.all, _mm512_set1_ps(sv[q]))));
+          _mm512_mul_ps(vals.all, _mm512_set1_ps(sv[(q + 1) / V])), _mm512_mul_ps(vals.all, _mm512_set1_ps(sv[q / V]))));
       const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c + 8 * q));
       const __m128i h = _mm_srli_epi16(x, 4);  // each byte's high nibble in the low 4 bits
       const __m256i codes = _mm256_set_m128i(_mm_unpackhi_epi8(x, h), _mm_unpacklo_epi8(x, h));
@@ -130,18 +131,18 @@ void plain_run(const uint8_t* c, const float* sv, const Values& vals, c10::BFloa
       const __m512i idx = _mm512_ternarylogic_epi32(_mm512_cvtepu8_epi16(codes), code, second, 0xEA);
       Out<c10::BFloat16>::store32<Stream>(out + 16 * q, _mm512_permutexvar_epi16(idx, table));
     }
-    return;
-  }
+  } else {
+    static_assert(std::is_same_v<Codes, ByteCodes>, "e4m3 codes are one per byte");
 #pragma GCC unroll 16
-  for (int q = 0; q < 16 * V; q += 2) {
-    const __m512 s0 = _mm512_set1_ps(sv[q / V]), s1 = _mm512_set1_ps(sv[(q + 1) / V]);
-    if constexpr (Bits) {
-      Out<c10::BFloat16>::put32_plain<Stream>(out + 16 * q, plain_values<Bits, Codes>(c, 16 * q, s0, vals),
-                                               plain_values<Bits, Codes>(c, 16 * q + 16, s1, vals));
-    } else {
-      __m512i lo, hi;
-      Codes::pair16(c + Codes::offset(16 * q), lo, hi);
-      Out<c10::BFloat16>::put32_plain<Stream>(out + 16 * q, _mm512_mul_ps(vals.v16(lo), s0), _mm512_mul_ps(vals.v16(hi), s1));
+    for (int q = 0; q < 16 * V; q += 2) {
+      const __m512 s0 = _mm512_set1_ps(sv[q / V]), s1 = _mm512_set1_ps(sv[(q + 1) / V]);
+      if constexpr (Bits) {
+        Out<c10::BFloat16>::put32_plain<Stream>(out + 16 * q, plain_values<Bits, Codes>(c, 16 * q, s0, vals),
+                                                 plain_values<Bits, Codes>(c, 16 * q + 16, s1, vals));
+      } else {
+        Out<c10::BFloat16>::put32_plain<Stream>(out + 16 * q, _mm512_mul_ps(vals.v16(ByteCodes::codes16(c + 16 * q)), s0),
+                                                 _mm512_mul_ps(vals.v16(ByteCodes::codes16(c + 16 * q + 16)), s1));
+      }
     }
   }
 }

@@ -149,10 +149,6 @@ struct ByteCodes {
   static __m512i codes16(const uint8_t* c) {
     return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c)));
   }
-  static void pair16(const uint8_t* c, __m512i& lo, __m512i& hi) {  // 32 codes, two vectors
-    lo = codes16(c);
-    hi = codes16(c + 16);
-  }
 #endif
 };
 struct NibbleCodes {
@@ -172,14 +168,6 @@ struct NibbleCodes {
 #ifdef __AVX512F__
   static __m512i codes16(const uint8_t* c) {
     return _mm512_cvtepu8_epi32(spread(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c))));
-  }
-  // 32 codes (16 bytes) as two vectors of e2m1 table indexes: a lane's low 4 bits are its code
-  // (all that E2M1Values::v16 reads), the bits above them the next code's
-  static void pair16(const uint8_t* c, __m512i& lo, __m512i& hi) {
-    const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c));
-    const __m128i h = _mm_srli_epi16(x, 4);
-    lo = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(x, h));
-    hi = _mm512_cvtepu8_epi32(_mm_unpackhi_epi8(x, h));
   }
 #endif
 };
